@@ -1,0 +1,186 @@
+"""Fail-fast object collectives with a timeout, and a watchdog for user code. No TRL import.
+
+Why not the default process group: under NCCL a stuck peer blocks a collective for the group's
+timeout (30 minutes by default) and a peer that raised leaves the others with "Connection closed
+by peer" and no word of the cause (both seen with stock TRL, FACTS.md). The kit exchanges its
+small Python objects (payloads, rewards, error reports) over a separate gloo group created with
+the kit's own timeout, so every rank learns of a failure within that bound, with the original
+message.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+
+T = TypeVar("T")
+
+__all__ = [
+    "CollectiveTimeoutError",
+    "Failure",
+    "FailFastGroup",
+    "RemoteFailureError",
+    "call_with_timeout",
+]
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A picklable report of an exception raised on one rank."""
+
+    rank: int
+    where: str
+    error_type: str
+    message: str
+    details: str = ""
+
+    def describe(self) -> str:
+        return f"{self.where} failed on rank {self.rank}: {self.error_type}: {self.message}"
+
+
+class RemoteFailureError(RuntimeError):
+    """Raised on every rank when any rank reported a :class:`Failure`."""
+
+    def __init__(self, failures: list[Failure], *, on_rank: int):
+        self.failures = failures
+        self.on_rank = on_rank
+        lines = [f.describe() for f in failures]
+        super().__init__(
+            "; ".join(lines) + (f" (raised on rank {on_rank} too, so that no rank waits for it)" if on_rank not in
+                                {f.rank for f in failures} else "")
+        )
+
+
+class CollectiveTimeoutError(RuntimeError):
+    """A peer did not reach a collective within the kit's timeout (it is stuck or has died)."""
+
+
+class _WorkerTimeout(Exception):
+    pass
+
+
+def call_with_timeout(fn: Callable[[], T], timeout: float, *, what: str) -> T:
+    """Run ``fn`` in a daemon thread and wait at most ``timeout`` seconds.
+
+    A stuck call cannot be killed from Python; the thread is left behind (daemon, so it does not
+    keep the process alive) and a ``TimeoutError`` naming ``what`` is raised, which the callers
+    turn into a :class:`Failure` that every rank sees.
+    """
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name=f"grpo_patches:{what}", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        raise TimeoutError(f"{what} did not finish within reward_timeout={timeout:g} s")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def failure_from(exc: BaseException, *, rank: int, where: str) -> Failure:
+    where = getattr(exc, "grpo_patches_where", where)
+    return Failure(
+        rank=rank,
+        where=where,
+        error_type=type(exc).__name__,
+        message=str(exc),
+        details="".join(traceback.format_exception(type(exc), exc, exc.__traceback__))[-4000:],
+    )
+
+
+class FailFastGroup:
+    """The ranks of the default process group, seen through a gloo group with a bounded timeout.
+
+    Every method is a collective: all ranks call it, in the same order. With one process (or
+    torch.distributed not initialized) every method works locally, so the same code serves both.
+    """
+
+    _cache: dict[float, Any] = {}
+
+    def __init__(self, timeout: float):
+        self.timeout = float(timeout)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            self.rank = dist.get_rank()
+            self.world_size = dist.get_world_size()
+            # Creating a group is itself collective; cache by timeout so that building several
+            # trainers in one job (all ranks alike) does not leak groups.
+            if self.timeout not in self._cache:
+                self._cache[self.timeout] = dist.new_group(
+                    backend="gloo", timeout=datetime.timedelta(seconds=self.timeout)
+                )
+            self.group = self._cache[self.timeout]
+        else:
+            self.rank, self.world_size, self.group = 0, 1, None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def _guard(self, op: str, fn: Callable[[], T]) -> T:
+        try:
+            return fn()
+        except RuntimeError as exc:  # gloo reports timeouts and dead peers as RuntimeError
+            text = str(exc)
+            if "imed out" in text or "timeout" in text.lower():
+                raise CollectiveTimeoutError(
+                    f"grpo_patches: rank {self.rank} waited {self.timeout:g} s in '{op}' and a peer did not "
+                    f"arrive: another rank is stuck or has died (see its log). Underlying error: {text}"
+                ) from exc
+            raise CollectiveTimeoutError(
+                f"grpo_patches: rank {self.rank} lost its peers during '{op}': another rank has died "
+                f"(see its log). Underlying error: {text}"
+            ) from exc
+
+    def gather_to_main(self, obj: T) -> list[T] | None:
+        """Every rank's ``obj`` on rank 0 (in rank order); ``None`` elsewhere."""
+        if self.group is None:
+            return [obj]
+        out: list[Any] | None = [None] * self.world_size if self.is_main else None
+        self._guard("gather", lambda: dist.gather_object(obj, out, dst=self._global(0), group=self.group))
+        return out
+
+    def scatter_from_main(self, objs: list[T] | None) -> T:
+        """Rank r receives ``objs[r]`` from rank 0."""
+        if self.group is None:
+            assert objs is not None
+            return objs[0]
+        out: list[Any] = [None]
+        self._guard(
+            "scatter", lambda: dist.scatter_object_list(out, objs, src=self._global(0), group=self.group)
+        )
+        return out[0]
+
+    def broadcast_from_main(self, obj: T | None) -> T:
+        """Rank 0's ``obj`` on every rank."""
+        if self.group is None:
+            return obj  # type: ignore[return-value]
+        box = [obj]
+        self._guard("broadcast", lambda: dist.broadcast_object_list(box, src=self._global(0), group=self.group))
+        return box[0]
+
+    def all_gather(self, obj: T) -> list[T]:
+        if self.group is None:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        self._guard("all_gather", lambda: dist.all_gather_object(out, obj, group=self.group))
+        return out
+
+    def _global(self, group_rank: int) -> int:
+        return dist.get_global_rank(self.group, group_rank)
+
+    def raise_if_failed(self, failures: list[Failure]) -> None:
+        if failures:
+            raise RemoteFailureError(failures, on_rank=self.rank)

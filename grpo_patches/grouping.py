@@ -1,0 +1,186 @@
+"""Rank-local GRPO groups: the shape rule, its error message, and the sampler.
+
+A GRPO group is the G completions of one prompt. Upstream TRL (0.15+) repeats each prompt G times
+in its sampler and lets accelerate cut the index stream into per-rank batches, so a group lands on
+one rank only when each rank's batch is a multiple of G; TRL checks divisibility of the *global*
+batch only and silently splits groups otherwise (TRL issues #3896, #5030). This module states the
+per-rank rule, suggests the nearest valid settings, and provides a sampler that keeps whole groups
+together, uses every dataset row exactly once per pass and is a pure function of (seed, epoch), so a
+resumed run sees the same order. No TRL import here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sized
+
+import torch
+from torch.utils.data import Sampler
+
+__all__ = ["GroupShapeError", "RankLocalGroupSampler", "check_group_shape", "nearest_valid_settings"]
+
+
+class GroupShapeError(ValueError):
+    """A batch shape with which some group of G completions would straddle two ranks."""
+
+
+def nearest_valid_settings(per_device_batch_size: int, steps_per_generation: int, num_generations: int) -> list[str]:
+    """Ways to make ``per_device_batch_size * steps_per_generation`` a multiple of ``num_generations``.
+
+    Each suggestion changes one setting and is the closest value to the current one.
+    """
+    b, s, g = per_device_batch_size, steps_per_generation, num_generations
+    out: list[str] = []
+    # per_device batch: needs b*s % g == 0, i.e. b a multiple of g / gcd(s, g).
+    step_b = g // math.gcd(s, g)
+    up = math.ceil(b / step_b) * step_b
+    down = (b // step_b) * step_b
+    cands = sorted({v for v in (down, up) if v >= 1 and v != b}, key=lambda v: (abs(v - b), v))
+    if cands:
+        out.append("per_device_train_batch_size=" + " or ".join(str(v) for v in cands))
+    # steps_per_generation: s a multiple of g / gcd(b, g).
+    step_s = g // math.gcd(b, g)
+    s_up = math.ceil(s / step_s) * step_s
+    s_down = (s // step_s) * step_s
+    cands = sorted({v for v in (s_down, s_up) if v >= 1 and v != s}, key=lambda v: (abs(v - s), v))
+    if cands:
+        out.append("steps_per_generation=" + " or ".join(str(v) for v in cands))
+    # num_generations: a divisor of b*s that is >= 2, nearest to g.
+    divisors = [d for d in range(2, b * s + 1) if (b * s) % d == 0]
+    if divisors:
+        best = sorted(divisors, key=lambda d: (abs(d - g), -d))[:2]
+        out.append("num_generations=" + " or ".join(str(v) for v in sorted(best)))
+    return out
+
+
+def check_group_shape(
+    *,
+    per_device_batch_size: int,
+    steps_per_generation: int,
+    num_generations: int,
+    world_size: int,
+    mode: str = "train",
+) -> None:
+    """Raise :class:`GroupShapeError` unless each rank generates whole groups.
+
+    The rule (the corrected form of the article's "group size divisible by the number of GPUs"):
+    the completions one rank generates per generation round, ``per_device_batch_size *
+    steps_per_generation``, must be a multiple of ``num_generations``.
+    """
+    if num_generations < 1:
+        raise GroupShapeError(f"num_generations={num_generations} must be >= 1.")
+    per_rank = per_device_batch_size * steps_per_generation
+    if per_rank % num_generations == 0:
+        return
+    batch_name = "per_device_train_batch_size" if mode == "train" else "per_device_eval_batch_size"
+    gen_name = "num_generations" if mode == "train" else "num_generations_eval"
+    fixes = nearest_valid_settings(per_device_batch_size, steps_per_generation, num_generations)
+    if mode != "train":
+        fixes = [f.replace("per_device_train_batch_size", batch_name).replace("num_generations", gen_name) for f in fixes
+                 if not f.startswith("steps_per_generation")]
+    raise GroupShapeError(
+        f"grpo_patches: each rank generates {batch_name}={per_device_batch_size} x "
+        f"steps_per_generation={steps_per_generation} = {per_rank} completions per round ({mode}), "
+        f"which is not a multiple of {gen_name}={num_generations}; with world_size={world_size} some "
+        f"groups would be split across ranks (stock TRL accepts this and splits them silently). "
+        f"Nearest valid settings: {'; '.join(fixes)}."
+    )
+
+
+class RankLocalGroupSampler(Sampler[int]):
+    """Index stream of whole groups, cut so that every rank's share holds whole groups.
+
+    The stream has the layout of TRL's ``RepeatSampler``: prompts are taken ``prompts_per_batch``
+    at a time; each such chunk is emitted ``repeat_count`` times, each prompt ``num_generations``
+    times in a row. accelerate hands rank r the r-th consecutive slice of every global batch, so
+    with the per-rank shape checked by :func:`check_group_shape` no group crosses a rank boundary.
+
+    Two differences from upstream, both about I2 (coverage). Upstream drops the rows of each
+    epoch's last, incomplete generation batch (a different set every epoch, never reported); here
+    they open the next epoch instead (see :meth:`epoch_prompts`), so no row is lost. And the order
+    of epoch ``e`` depends only on ``(seed, e)`` (upstream advances one generator per ``__iter__``,
+    so a resumed run restarts the sequence), so resuming from a checkpoint replays the same
+    prompts. When ``len(data_source)`` is a multiple of ``prompts_per_batch`` every epoch is one
+    permutation, the same indices in the same order as upstream.
+    """
+
+    def __init__(
+        self,
+        data_source: Sized,
+        num_generations: int,
+        prompts_per_batch: int,
+        repeat_count: int = 1,
+        shuffle: bool = True,
+        seed: int = 0,
+    ) -> None:
+        self.num_rows = len(data_source)
+        if prompts_per_batch < 1 or num_generations < 1 or repeat_count < 1:
+            raise ValueError(
+                f"prompts_per_batch={prompts_per_batch}, num_generations={num_generations} and "
+                f"repeat_count={repeat_count} must all be >= 1."
+            )
+        if self.num_rows < prompts_per_batch:
+            raise ValueError(
+                f"grpo_patches: the dataset has {self.num_rows} rows but one generation round takes "
+                f"{prompts_per_batch} prompts; use a larger dataset or a smaller generation batch."
+            )
+        self.num_generations = num_generations
+        self.prompts_per_batch = prompts_per_batch
+        self.repeat_count = repeat_count
+        self.shuffle = shuffle
+        self.seed = seed
+        self.epoch = 0
+        self._perms: list[list[int]] = []
+        self._epochs: list[list[int]] = []
+        self._carry: list[int] = []
+        self._generator: torch.Generator | None = None
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return self.num_rows // self.prompts_per_batch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Called by accelerate / transformers at the start of every epoch (also when resuming)."""
+        self.epoch = epoch
+
+    def _permutation(self, j: int) -> list[int]:
+        if not self.shuffle:
+            return list(range(self.num_rows))
+        if self._generator is None:
+            self._generator = torch.Generator()
+            self._generator.manual_seed(self.seed)
+        while len(self._perms) <= j:
+            self._perms.append(torch.randperm(self.num_rows, generator=self._generator).tolist())
+        return self._perms[j]
+
+    def epoch_prompts(self, epoch: int) -> list[int]:
+        """The dataset rows of one epoch, in order: ``batches_per_epoch * prompts_per_batch`` distinct rows.
+
+        Epoch ``e`` first takes the rows that epoch ``e - 1`` could not fit (in their order), then
+        fills up from permutation ``e``, skipping those rows; what does not fit carries on. So no row
+        is repeated within an epoch, and over any run every row is used equally often, +-1.
+        """
+        n = self.batches_per_epoch * self.prompts_per_batch
+        while len(self._epochs) <= epoch:
+            e = len(self._epochs)
+            carried = self._carry
+            taken = set(carried)
+            fresh = [i for i in self._permutation(e) if i not in taken]
+            rows = (carried + fresh)[:n]
+            self._carry = (carried + fresh)[n:]
+            self._epochs.append(rows)
+        return self._epochs[epoch]
+
+    def __iter__(self) -> Iterator[int]:
+        rows = self.epoch_prompts(self.epoch)
+        self.epoch += 1  # a plain DataLoader never calls set_epoch: move on by itself
+        p, g = self.prompts_per_batch, self.num_generations
+        for start in range(0, len(rows), p):
+            chunk = rows[start : start + p]
+            for _ in range(self.repeat_count):
+                for index in chunk:
+                    for _ in range(g):
+                        yield index
+
+    def __len__(self) -> int:
+        return self.batches_per_epoch * self.prompts_per_batch * self.num_generations * self.repeat_count

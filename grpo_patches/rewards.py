@@ -1,0 +1,280 @@
+"""Reward placement: score on each rank ("local") or on the main process ("main"). No TRL import.
+
+The article's ``compute_rewards`` patch (DIGEST S7) gathers completions to the main process,
+scores them there and sends each rank its share; as printed it cannot work (``gather`` takes no
+strings, non-main ranks get ``None``, ``chunk`` assumes equal shares). This is the intent done
+right, over :class:`~grpo_patches.collectives.FailFastGroup`:
+
+* "main": every rank sends its :class:`RewardBatch` (pickled once, so an unpicklable column fails
+  on its own rank, not inside the collective) to rank 0; rank 0 scores the concatenation in chunks
+  of whole groups and scatters to each rank exactly its own rows, in order, whatever the per-rank
+  counts.
+* "local": every rank scores its own whole groups; only rank 0 collects the rewards (for the
+  metrics it logs) unless a statistic every rank needs is global.
+
+In both, each rank's scoring runs under a watchdog, and the outcome (rewards or the original
+error with its rank) is exchanged before anyone goes on, so one failing or stuck rank makes every
+rank raise within ``timeout`` plus a few seconds.
+"""
+
+from __future__ import annotations
+
+import math
+import pickle
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .collectives import FailFastGroup, Failure, call_with_timeout, failure_from
+
+__all__ = [
+    "PLACEMENTS",
+    "RewardBatch",
+    "RewardResult",
+    "Scored",
+    "compute_rewards",
+    "reward_column",
+    "score_in_chunks",
+    "validate_chunk_size",
+]
+
+PLACEMENTS = ("local", "main")
+
+
+@dataclass
+class RewardBatch:
+    """One rank's completions and everything a reward function may be given for them."""
+
+    prompts: list[Any]
+    completions: list[Any]
+    completion_ids: list[Any]
+    columns: dict[str, list[Any]] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def slice(self, start: int, stop: int) -> RewardBatch:
+        return RewardBatch(
+            self.prompts[start:stop],
+            self.completions[start:stop],
+            self.completion_ids[start:stop],
+            {k: v[start:stop] for k, v in self.columns.items()},
+        )
+
+    @staticmethod
+    def concat(batches: Sequence[RewardBatch]) -> RewardBatch:
+        keys = list(batches[0].columns) if batches else []
+        for b in batches:
+            if list(b.columns) != keys:
+                raise ValueError(f"ranks disagree on the dataset columns: {keys} vs {list(b.columns)}")
+        return RewardBatch(
+            [p for b in batches for p in b.prompts],
+            [c for b in batches for c in b.completions],
+            [i for b in batches for i in b.completion_ids],
+            {k: [v for b in batches for v in b.columns[k]] for k in keys},
+        )
+
+
+@dataclass
+class Scored:
+    """What a scoring function returns for a batch: rewards ``[n, F]`` and per-sample side columns.
+
+    ``extras`` holds per-sample values a reward function logged (TRL's ``log_extra``); they travel
+    with the rewards so that each rank logs its own rows.
+    """
+
+    rewards: torch.Tensor
+    extras: dict[str, list[Any]] = field(default_factory=dict)
+
+
+ScoreFn = Callable[[RewardBatch, list[int]], Scored]
+
+
+@dataclass
+class RewardResult:
+    local: torch.Tensor  # this rank's rows, [n, F]
+    all: torch.Tensor | None  # every rank's rows in rank order, [N, F]; on rank 0 always, elsewhere when asked
+    counts: list[int] | None  # rows per rank, where ``all`` is known
+    extras: dict[str, list[Any]]  # this rank's rows of the side columns
+
+
+def validate_chunk_size(chunk_size: int | None, num_generations: int, *, name: str = "num_generations") -> None:
+    """A chunk must hold whole groups, so that listwise rewards and group statistics stay exact."""
+    if chunk_size is None:
+        return
+    if chunk_size % num_generations:
+        lower = (chunk_size // num_generations) * num_generations
+        upper = lower + num_generations
+        nearest = " or ".join(str(v) for v in (lower, upper) if v > 0)
+        raise ValueError(
+            f"grpo_patches: reward_chunk_size={chunk_size} is not a multiple of {name}={num_generations}, so a "
+            f"chunk would cut a group in two. Nearest valid values: reward_chunk_size={nearest}."
+        )
+
+
+def reward_column(values: Sequence[Any], expected: int, func_name: str) -> list[float]:
+    """Check one reward function's output: one value per completion, ``None`` or a finite number.
+
+    ``None`` means "no reward for this completion" (TRL's convention, turned into NaN and left out
+    of the group statistics). A NaN or infinite number is a bug in the reward function: stock TRL
+    lets it poison the group's mean and std silently; here it is an error naming the function and
+    the position.
+    """
+    try:
+        n = len(values)
+    except TypeError:
+        raise TypeError(
+            f"reward function '{func_name}' returned {type(values).__name__}, expected a list of {expected} "
+            f"floats (one per completion)"
+        ) from None
+    if n != expected:
+        raise ValueError(
+            f"reward function '{func_name}' returned {n} rewards for {expected} completions; it must return "
+            f"exactly one reward (or None) per completion"
+        )
+    out: list[float] = []
+    for i, v in enumerate(values):
+        if v is None:
+            out.append(math.nan)
+            continue
+        x = float(v)
+        if not math.isfinite(x):
+            raise ValueError(
+                f"reward function '{func_name}' returned {x} for completion {i}; rewards must be finite "
+                f"(return None to give a completion no reward)"
+            )
+        out.append(x)
+    return out
+
+
+def _group_ids(n: int, num_generations: int, first: int = 0) -> list[int]:
+    return [first + i // num_generations for i in range(n)]
+
+
+def score_in_chunks(
+    batch: RewardBatch, score_fn: ScoreFn, *, num_generations: int, chunk_size: int | None
+) -> Scored:
+    """Score ``batch`` in chunks of at most ``chunk_size`` completions, each chunk whole groups."""
+    n = len(batch)
+    if n % num_generations:
+        raise ValueError(
+            f"grpo_patches: a reward batch of {n} completions is not whole groups of {num_generations}"
+        )
+    step = chunk_size or n
+    parts: list[Scored] = []
+    for start in range(0, n, max(step, 1)):
+        stop = min(start + step, n)
+        part = score_fn(batch.slice(start, stop), _group_ids(stop - start, num_generations, start // num_generations))
+        if part.rewards.shape[0] != stop - start:
+            raise ValueError(f"scoring returned {part.rewards.shape[0]} rows for {stop - start} completions")
+        parts.append(part)
+    if not parts:
+        return Scored(torch.zeros(0, 0))
+    extras: dict[str, list[Any]] = {k: [] for p in parts for k in p.extras}
+    for part in parts:
+        for key, values in extras.items():
+            values.extend(part.extras.get(key, [None] * part.rewards.shape[0]))
+    return Scored(torch.cat([p.rewards.float().cpu() for p in parts]), extras)
+
+
+def compute_rewards(
+    batch: RewardBatch,
+    score_fn: ScoreFn,
+    *,
+    group: FailFastGroup,
+    placement: str,
+    num_generations: int,
+    chunk_size: int | None = None,
+    timeout: float = 600.0,
+    everywhere: bool = False,
+) -> RewardResult:
+    """Score this rank's ``batch`` where ``placement`` says; a collective over ``group``.
+
+    ``everywhere=True`` also sends every rank the full rank-ordered tensor (for statistics that are
+    global by definition, e.g. TRL's ``scale_rewards="batch"``); otherwise only rank 0 has it.
+    Raises :class:`~grpo_patches.collectives.RemoteFailureError` on every rank if scoring failed or
+    timed out on any rank.
+    """
+    if placement not in PLACEMENTS:
+        raise ValueError(f"reward_placement={placement!r}; expected one of {PLACEMENTS}")
+    run = lambda b: score_in_chunks(b, score_fn, num_generations=num_generations, chunk_size=chunk_size)  # noqa: E731
+    if placement == "local":
+        return _score_local(batch, run, group=group, timeout=timeout, everywhere=everywhere)
+    return _score_on_main(batch, run, group=group, timeout=timeout, everywhere=everywhere)
+
+
+def _score_local(batch, run, *, group: FailFastGroup, timeout: float, everywhere: bool) -> RewardResult:
+    failure: Failure | None = None
+    scored: Scored | None = None
+    try:
+        scored = call_with_timeout(lambda: run(batch), timeout, what=f"reward computation on rank {group.rank}")
+    except Exception as exc:
+        failure = failure_from(exc, rank=group.rank, where="reward computation")
+    if group.world_size == 1:
+        group.raise_if_failed([failure] if failure else [])
+        assert scored is not None
+        return RewardResult(scored.rewards, scored.rewards, [len(batch)], scored.extras)
+    gathered = group.gather_to_main((failure, None if scored is None else scored.rewards))
+    verdict: tuple[list[Failure], torch.Tensor | None, list[int] | None] | None = None
+    if group.is_main:
+        assert gathered is not None
+        failures = [f for f, _ in gathered if f is not None]
+        full = counts = None
+        if not failures:
+            full = torch.cat([t for _, t in gathered])
+            counts = [t.shape[0] for _, t in gathered]
+        verdict = (failures, full, counts)
+    # Rank 0 always has the verdict; others need the full tensor only for global statistics.
+    shared = group.broadcast_from_main(
+        verdict if everywhere or verdict is None else (verdict[0], None, None)
+    )
+    failures, full, counts = shared
+    group.raise_if_failed(failures)
+    assert scored is not None
+    if group.is_main:
+        assert verdict is not None
+        full, counts = verdict[1], verdict[2]
+    return RewardResult(scored.rewards, full, counts, scored.extras)
+
+
+def _score_on_main(batch, run, *, group: FailFastGroup, timeout: float, everywhere: bool) -> RewardResult:
+    failure: Failure | None = None
+    payload: bytes | None = None
+    try:
+        payload = pickle.dumps(batch)
+    except Exception as exc:
+        failure = failure_from(exc, rank=group.rank, where="sending completions to the main process")
+    gathered = group.gather_to_main((failure, payload))
+    replies: list[Any] | None = None
+    full: torch.Tensor | None = None
+    counts: list[int] = []
+    if group.is_main:
+        assert gathered is not None
+        failures = [f for f, _ in gathered if f is not None]
+        scored = None
+        if not failures:
+            try:
+                batches = [pickle.loads(p) for _, p in gathered]
+                counts = [len(b) for b in batches]
+                merged = RewardBatch.concat(batches)
+                scored = call_with_timeout(lambda: run(merged), timeout, what="reward computation on the main process")
+                full = scored.rewards
+            except Exception as exc:
+                failures.append(failure_from(exc, rank=group.rank, where="reward computation"))
+        if failures:
+            replies = [(failures, None, None, None, None)] * group.world_size
+        else:
+            replies = []
+            start = 0
+            for count in counts:
+                rows = slice(start, start + count)
+                extras = {k: v[rows] for k, v in scored.extras.items()}
+                replies.append(([], full[rows], extras, full if everywhere else None, counts if everywhere else None))
+                start += count
+    failures, local, extras, shared_full, shared_counts = group.scatter_from_main(replies)
+    group.raise_if_failed(failures)
+    if not group.is_main:
+        full, counts = shared_full, shared_counts
+    return RewardResult(local, full, counts or None, extras)
