@@ -50,11 +50,7 @@ class RemoteFailureError(RuntimeError):
     def __init__(self, failures: list[Failure], *, on_rank: int):
         self.failures = failures
         self.on_rank = on_rank
-        lines = [f.describe() for f in failures]
-        super().__init__(
-            "; ".join(lines) + (f" (raised on rank {on_rank} too, so that no rank waits for it)" if on_rank not in
-                                {f.rank for f in failures} else "")
-        )
+        super().__init__("; ".join(f.describe() for f in failures))
 
 
 class CollectiveTimeoutError(RuntimeError):

@@ -1,0 +1,104 @@
+"""grpo-patches: multi-GPU GRPO + LoRA that keeps every group on one rank and fails fast.
+
+Call :func:`apply` before building ``trl.GRPOTrainer``::
+
+    import grpo_patches
+    grpo_patches.apply(reward_placement="main", reward_chunk_size=64)
+    trainer = trl.GRPOTrainer(...)
+
+What the patch does to each trainer built afterwards:
+
+* rejects, at construction, a batch shape that would split a group of ``num_generations``
+  completions across ranks, naming the nearest valid settings;
+* samples prompts so that every rank generates, scores and normalizes whole groups, using every
+  dataset row (upstream drops each epoch's last partial batch) in a resume-stable order;
+* computes rewards on each rank (``"local"``) or on the main process only (``"main"``: reward
+  models are loaded there alone, scored in chunks of whole groups, each rank gets its own rows
+  back), with ``num_generations`` and ``group_ids`` given to reward functions that accept them;
+* turns an exception, a wrong-length or non-finite reward, or a reward call running past
+  ``reward_timeout`` on any rank into an error on every rank, naming the function and the rank.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+from . import options as _options
+from .collectives import CollectiveTimeoutError, RemoteFailureError
+from .grouping import GroupShapeError
+from .patching import AppliedPatch, patch, unpatch
+from .registry import NothingToPatch, UnsupportedVersionError, installed_trl_version, select
+
+__all__ = [
+    "CollectiveTimeoutError",
+    "GroupShapeError",
+    "RemoteFailureError",
+    "UnsupportedVersionError",
+    "apply",
+    "is_applied",
+    "revert",
+]
+
+__version__ = "0.1.0"
+
+_lock = threading.Lock()
+_applied: AppliedPatch | None = None
+
+
+def apply(
+    *,
+    reward_placement: str = "local",
+    reward_chunk_size: int | None = None,
+    reward_timeout: float = 600.0,
+    strict: bool = True,
+) -> bool:
+    """Patch ``trl.GRPOTrainer`` in place; returns whether a patch is active afterwards.
+
+    Args:
+        reward_placement: ``"local"`` (each rank scores its own whole groups) or ``"main"``
+            (reward models and functions run on the main process only).
+        reward_chunk_size: most completions scored in one call; a multiple of ``num_generations``
+            (checked when the trainer is built). ``None``: one call per rank / per step.
+        reward_timeout: seconds a step's reward computation may take before every rank raises.
+        strict: on a TRL release outside the tested range raise :class:`UnsupportedVersionError`;
+            with ``False``, warn and patch nothing.
+
+    Calling ``apply()`` again never wraps twice; it replaces the options for trainers built
+    afterwards. Trainers built before the first ``apply()`` stay unpatched.
+    """
+    global _applied
+    opts = _options.PatchOptions(reward_placement, reward_chunk_size, reward_timeout, strict)
+    with _lock:
+        if _applied is not None:
+            _options.set_active(opts)
+            return True
+        version = installed_trl_version()
+        try:
+            adapter = select(version)
+        except NothingToPatch as note:
+            warnings.warn(f"grpo_patches: {note}", stacklevel=2)
+            return False
+        except UnsupportedVersionError as exc:
+            if strict:
+                raise
+            warnings.warn(f"{exc} Nothing was patched (strict=False).", stacklevel=2)
+            return False
+        _applied = patch(adapter)
+        _options.set_active(opts)
+        return True
+
+
+def revert() -> None:
+    """Restore every patched attribute to the identical original object. A no-op if not applied."""
+    global _applied
+    with _lock:
+        if _applied is not None:
+            unpatch(_applied)
+            _applied = None
+        _options.set_active(None)
+
+
+def is_applied() -> bool:
+    """Whether :func:`apply` patched the installed TRL and :func:`revert` has not undone it."""
+    return _applied is not None

@@ -1,0 +1,60 @@
+"""The options of :func:`grpo_patches.apply`, checked once, where the user passes them."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .rewards import PLACEMENTS
+
+__all__ = ["PatchOptions"]
+
+
+@dataclass(frozen=True)
+class PatchOptions:
+    reward_placement: str = "local"
+    reward_chunk_size: int | None = None
+    reward_timeout: float = 600.0
+    strict: bool = True
+
+    def __post_init__(self) -> None:
+        if self.reward_placement not in PLACEMENTS:
+            raise ValueError(
+                f"grpo_patches.apply: reward_placement={self.reward_placement!r} is not one of {PLACEMENTS}: "
+                f"'local' scores on every rank, 'main' on the main process only."
+            )
+        chunk = self.reward_chunk_size
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+            raise ValueError(
+                f"grpo_patches.apply: reward_chunk_size={chunk!r} must be None (one chunk) or a positive "
+                f"multiple of num_generations."
+            )
+        timeout = self.reward_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not math.isfinite(timeout) or timeout <= 0:
+            raise ValueError(
+                f"grpo_patches.apply: reward_timeout={timeout!r} must be a positive number of seconds "
+                f"(the bound after which every rank raises when reward computation hangs)."
+            )
+
+    @property
+    def collective_timeout(self) -> float:
+        """How long a rank waits for its peers in the kit's exchanges.
+
+        Longer than ``reward_timeout`` (the main process may score for that long while the others
+        wait) by a margin for skew between ranks; TRL gathers prompt lengths right before scoring,
+        so ranks arrive nearly together.
+        """
+        return self.reward_timeout + 15.0 + 0.1 * self.reward_timeout
+
+
+_active: PatchOptions | None = None
+
+
+def active() -> PatchOptions | None:
+    """The options of the current :func:`grpo_patches.apply`, read by trainers built after it."""
+    return _active
+
+
+def set_active(options: PatchOptions | None) -> None:
+    global _active
+    _active = options

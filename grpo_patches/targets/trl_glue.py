@@ -1,0 +1,219 @@
+"""Glue between TRL's GRPOTrainer and the kit's core, shared by the TRL adapters.
+
+Only what is the same in every supported era lives here; what differs (where the group shape is
+read from the config, which method computes rewards) stays in the era's adapter module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..collectives import FailFastGroup
+from ..grouping import check_group_shape
+from ..options import PatchOptions
+from ..rewards import RewardBatch, Scored, compute_rewards, reward_column, validate_chunk_size
+
+logger = logging.getLogger("grpo_patches")
+
+STATE_ATTR = "_grpo_patches"
+UNSCORED_KEYS = ("prompt", "completion", "completion_ids")
+
+
+@dataclass(frozen=True)
+class GroupShape:
+    """The batch settings that decide whether groups stay on one rank."""
+
+    per_device_train_batch_size: int
+    steps_per_generation: int
+    num_generations: int
+    per_device_eval_batch_size: int
+    num_generations_eval: int
+    world_size: int
+
+
+@dataclass
+class TrainerPatchState:
+    """What a patched trainer carries: its options and its fail-fast group."""
+
+    options: PatchOptions
+    group: FailFastGroup
+    shape: GroupShape
+
+
+def check_shape(shape: GroupShape, options: PatchOptions, *, evaluates: bool) -> None:
+    """Everything about the batch shape that can be known before TRL builds anything."""
+    check_group_shape(
+        per_device_batch_size=shape.per_device_train_batch_size,
+        steps_per_generation=shape.steps_per_generation,
+        num_generations=shape.num_generations,
+        world_size=shape.world_size,
+    )
+    validate_chunk_size(options.reward_chunk_size, shape.num_generations)
+    if evaluates:
+        check_group_shape(
+            per_device_batch_size=shape.per_device_eval_batch_size,
+            steps_per_generation=1,
+            num_generations=shape.num_generations_eval,
+            world_size=shape.world_size,
+            mode="eval",
+        )
+        validate_chunk_size(options.reward_chunk_size, shape.num_generations_eval, name="num_generations_eval")
+
+
+def _placeholder(name: str, index: int) -> Callable:
+    def reward_model_on_main_process(*args: Any, **kwargs: Any) -> list[float]:
+        raise RuntimeError(
+            f"grpo_patches: reward model '{name}' lives on the main process only (reward_placement='main'); "
+            f"it was called on another rank."
+        )
+
+    reward_model_on_main_process.__name__ = name
+    reward_model_on_main_process.__qualname__ = name
+    reward_model_on_main_process.grpo_patches_placeholder_for = index  # type: ignore[attr-defined]
+    return reward_model_on_main_process
+
+
+def main_only_reward_funcs(reward_funcs: Any, is_main: bool) -> Any:
+    """Under reward_placement='main', non-main ranks get name-keeping placeholders for reward models.
+
+    TRL loads a reward model given by name, and moves a given ``nn.Module`` to the rank's device, in
+    ``__init__`` on every rank. A placeholder (a plain function with the model's display name) keeps
+    TRL's bookkeeping (names, weights, metric keys) identical on every rank while the model itself
+    is never loaded or moved on the other ranks.
+    """
+    if is_main or reward_funcs is None:
+        return reward_funcs
+    funcs = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
+    out = []
+    for i, func in enumerate(funcs):
+        if isinstance(func, str):
+            out.append(_placeholder(func.split("/")[-1], i))
+        elif isinstance(func, nn.Module):
+            name = getattr(func.config, "_name_or_path", "") or ""
+            out.append(_placeholder(name.split("/")[-1], i))
+        else:
+            out.append(func)
+    return out
+
+
+def _accepts(func: Callable, name: str) -> bool:
+    try:
+        params = inspect.signature(func).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+def score_batch(trainer: Any, batch: RewardBatch, group_ids: list[int], *, num_generations: int,
+                with_environments: bool) -> Scored:
+    """TRL's reward loop for one chunk: every reward function / model on ``batch``.
+
+    Same calls as upstream (``prompts``, ``completions``, ``completion_ids``, the dataset columns,
+    ``trainer_state``, ``log_extra``, ``log_metric``), plus ``num_generations`` and ``group_ids``
+    for functions that accept them (whole-group / listwise rewards: TRL #3896, #4707).
+    """
+    from transformers import Trainer
+
+    n = len(batch)
+    rewards = torch.zeros(n, len(trainer.reward_funcs))
+    extras: dict[str, list[Any]] = {}
+    kwargs: dict[str, Any] = dict(batch.columns)
+    kwargs["trainer_state"] = trainer.state
+    kwargs["log_extra"] = lambda column, values: extras.setdefault(column, []).extend(values)
+    kwargs["log_metric"] = getattr(trainer, "_log_metric", lambda name, value: None)
+    if with_environments and getattr(trainer, "environments", None) is not None:
+        kwargs["environments"] = trainer.environments
+    for i, (func, processing_class, name) in enumerate(
+        zip(trainer.reward_funcs, trainer.reward_processing_classes, trainer.reward_func_names, strict=True)
+    ):
+        try:
+            if isinstance(func, nn.Module):
+                rewards[:, i] = _score_with_model(trainer, Trainer, func, processing_class, batch)
+                values = rewards[:, i]
+                if not torch.isfinite(values).all():
+                    bad = int((~torch.isfinite(values)).nonzero()[0, 0])
+                    raise ValueError(f"reward model '{name}' gave {values[bad].item()} for completion {bad}")
+                continue
+            call_kwargs = {k: v for k, v in kwargs.items() if k not in ("num_generations", "group_ids")}
+            for extra, value in (("num_generations", num_generations), ("group_ids", group_ids)):
+                if _accepts(func, extra):
+                    call_kwargs[extra] = value
+            out = func(prompts=batch.prompts, completions=batch.completions,
+                       completion_ids=batch.completion_ids, **call_kwargs)
+            if inspect.isawaitable(out):
+                loop = getattr(trainer, "async_loop", None)
+                out = (asyncio.run_coroutine_threadsafe(out, loop).result() if loop is not None
+                       else asyncio.run(out))
+            rewards[:, i] = torch.tensor(reward_column(out, n, name), dtype=torch.float32)
+        except Exception as exc:
+            exc.grpo_patches_where = f"reward function '{name}'"  # type: ignore[attr-defined]
+            raise
+    unscored = torch.isnan(rewards).all(dim=1)
+    if unscored.any():
+        logger.warning("All reward functions returned None for completion %d: %r",
+                       int(unscored.nonzero()[0, 0]), batch.completions[int(unscored.nonzero()[0, 0])])
+    return Scored(rewards, extras)
+
+
+def _score_with_model(trainer: Any, trainer_cls: type, model: nn.Module, processing_class: Any,
+                      batch: RewardBatch) -> torch.Tensor:
+    from trl.data_utils import apply_chat_template, is_conversational
+
+    if is_conversational({"prompt": batch.prompts[0]}):
+        kwargs = getattr(trainer, "chat_template_kwargs", None) or {}
+        texts = [apply_chat_template({"messages": p + c}, processing_class, **kwargs)["text"]
+                 for p, c in zip(batch.prompts, batch.completions, strict=True)]
+    else:
+        texts = [p + c for p, c in zip(batch.prompts, batch.completions, strict=True)]
+    inputs = processing_class(text=texts, return_tensors="pt", padding=True, padding_side="right",
+                              add_special_tokens=False)
+    inputs = trainer_cls._prepare_inputs(trainer, inputs)
+    with torch.inference_mode():
+        return model(**inputs).logits[:, 0].float().cpu()
+
+
+def trl_layout_rewards(trainer: Any, inputs: list[dict], prompts: list, completions: list,
+                       completion_ids_list: list, *, num_generations: int, global_stats: bool) -> torch.Tensor:
+    """Rewards ``[world * n, F]`` in the layout TRL's caller expects, computed by the kit.
+
+    TRL's caller normalizes over the rows of all ranks and then keeps rows ``rank*n:(rank+1)*n``.
+    Groups are rank-local, so a rank's own rows are all its group statistics need: other ranks'
+    rows are filled with NaN (TRL treats all-NaN rows as unscorable and zeroes their advantages,
+    and they are sliced away). The main process gets every rank's rows, so the metrics it logs
+    are upstream's; ``global_stats`` (batch-level std) sends every rank the full tensor.
+    """
+    state: TrainerPatchState = getattr(trainer, STATE_ATTR)
+    options = state.options
+    columns = {k: [ex[k] for ex in inputs] for k in inputs[0] if k not in UNSCORED_KEYS} if inputs else {}
+    batch = RewardBatch(list(prompts), list(completions), list(completion_ids_list), columns)
+    local_placement = options.reward_placement == "local"
+    result = compute_rewards(
+        batch,
+        lambda b, ids: score_batch(trainer, b, ids, num_generations=num_generations,
+                                   with_environments=local_placement),
+        group=state.group,
+        placement=options.reward_placement,
+        num_generations=num_generations,
+        chunk_size=options.reward_chunk_size,
+        timeout=options.reward_timeout,
+        everywhere=global_stats,
+    )
+    log_extra = getattr(trainer, "_log_completion_extra", None)
+    if log_extra is not None:
+        for column, values in result.extras.items():
+            log_extra(column, values)
+    device = trainer.accelerator.device
+    if result.all is not None:
+        return result.all.to(device)
+    n, world, rank = len(prompts), state.group.world_size, state.group.rank
+    padded = torch.full((n * world, result.local.shape[1]), float("nan"))
+    padded[rank * n : (rank + 1) * n] = result.local
+    return padded.to(device)

@@ -1,0 +1,142 @@
+"""TRL adapter for the ``_calculate_rewards`` era (``RepeatSampler`` + ``steps_per_generation``).
+
+Upstream in this era: ``_get_train_sampler(dataset)`` returns a ``RepeatSampler`` whose index
+stream accelerate cuts into per-rank batches; ``_calculate_rewards(inputs, prompts, completions,
+completion_ids_list)`` scores the rank's completions and all-gathers them; its caller,
+``_generate_and_score_completions``, normalizes over every rank's rows and slices its own back
+(``process_slice``). We wrap exactly those three points and ``__init__``:
+
+* ``__init__``: reject a batch shape that would split a group, before TRL loads anything; under
+  main placement keep reward models off the other ranks; attach the fail-fast group.
+* ``_get_train_sampler``: :class:`~grpo_patches.grouping.RankLocalGroupSampler` (no row dropped,
+  resume-stable order, same order as upstream where upstream drops nothing).
+* ``_calculate_rewards``: score where the user chose, with whole-group kwargs, a watchdog and
+  fail-fast error exchange, and return the layout the caller slices (see
+  :func:`~grpo_patches.targets.trl_glue.trl_layout_rewards`). The advantage code itself is
+  upstream's, untouched, which is what keeps advantages equal to upstream's (I3).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from packaging.specifiers import SpecifierSet
+
+from ..collectives import FailFastGroup
+from ..grouping import RankLocalGroupSampler
+from ..options import active
+from . import Adapter
+from .trl_glue import (
+    STATE_ATTR,
+    GroupShape,
+    TrainerPatchState,
+    check_shape,
+    main_only_reward_funcs,
+    trl_layout_rewards,
+)
+
+
+def _shape(config: Any) -> GroupShape:
+    return GroupShape(
+        per_device_train_batch_size=config.per_device_train_batch_size,
+        steps_per_generation=config.steps_per_generation,
+        num_generations=config.num_generations,
+        per_device_eval_batch_size=config.per_device_eval_batch_size,
+        num_generations_eval=getattr(config, "num_generations_eval", None) or config.num_generations,
+        world_size=config.world_size,
+    )
+
+
+def _init(wrapped, instance, args, kwargs):
+    options = active()
+    if options is None:
+        return wrapped(*args, **kwargs)
+    bound = inspect.signature(wrapped).bind(*args, **kwargs)
+    config = bound.arguments.get("args")
+    evaluates = bound.arguments.get("eval_dataset") is not None
+    if config is not None:
+        check_shape(_shape(config), options, evaluates=evaluates)
+    if options.reward_placement == "main":
+        from accelerate import PartialState
+        from accelerate.utils import DistributedType
+
+        state = PartialState()
+        if bound.arguments.get("environment_factory") is not None:
+            raise ValueError(
+                "grpo_patches: reward_placement='main' cannot be used with environment_factory: environments "
+                "are per-rank objects that cannot be sent to the main process. Use reward_placement='local'."
+            )
+        if state.distributed_type == DistributedType.DEEPSPEED:
+            raise ValueError(
+                "grpo_patches: reward_placement='main' cannot be used with DeepSpeed: TRL initializes reward "
+                "models with deepspeed.initialize, a collective every rank must join. Use "
+                "reward_placement='local', or FSDP/DDP."
+            )
+        bound.arguments["reward_funcs"] = main_only_reward_funcs(
+            bound.arguments.get("reward_funcs"), state.is_main_process
+        )
+    wrapped(*bound.args, **bound.kwargs)
+    shape = _shape(instance.args)
+    if config is None:
+        check_shape(shape, options, evaluates=evaluates)
+    setattr(instance, STATE_ATTR, TrainerPatchState(options, FailFastGroup(options.collective_timeout), shape))
+
+
+def _get_train_sampler(wrapped, instance, args, kwargs):
+    if not hasattr(instance, STATE_ATTR):
+        return wrapped(*args, **kwargs)
+    dataset = (args[0] if args else kwargs.get("dataset")) or instance.train_dataset
+    num_generations = instance.num_generations
+    return RankLocalGroupSampler(
+        dataset,
+        num_generations=num_generations,
+        prompts_per_batch=instance.args.generation_batch_size // num_generations,
+        repeat_count=instance.num_iterations * instance.args.steps_per_generation,
+        shuffle=instance.shuffle_dataset,
+        seed=instance.args.seed,
+    )
+
+
+def _calculate_rewards(wrapped, instance, args, kwargs):
+    if not hasattr(instance, STATE_ATTR):  # built before apply(): leave it as upstream built it
+        return wrapped(*args, **kwargs)
+    inputs, prompts, completions, completion_ids_list = inspect.signature(wrapped).bind(*args, **kwargs).args
+    training = instance.model.training
+    num_generations = instance.num_generations if training else instance.num_generations_eval
+    global_stats = (
+        instance.scale_rewards == "batch"
+        or getattr(instance, "multi_objective_aggregation", "sum_then_normalize") == "normalize_then_sum"
+    )
+    return trl_layout_rewards(
+        instance, inputs, prompts, completions, completion_ids_list,
+        num_generations=num_generations, global_stats=global_stats,
+    )
+
+
+ADAPTER = Adapter(
+    key="v019",
+    releases=SpecifierSet(">=1.16,<1.17"),
+    module="trl.trainer.grpo_trainer",
+    class_name="GRPOTrainer",
+    wrappers={
+        "__init__": _init,
+        "_get_train_sampler": _get_train_sampler,
+        "_calculate_rewards": _calculate_rewards,
+    },
+    signatures={
+        "__init__": ("model", "reward_funcs", "args", "train_dataset", "eval_dataset", "processing_class",
+                     "reward_processing_classes"),
+        "_get_train_sampler": ("dataset",),
+        "_calculate_rewards": ("inputs", "prompts", "completions", "completion_ids_list"),
+    },
+    anchors={
+        "_calculate_rewards": ("gather(rewards_per_func)",),
+        "_generate_and_score_completions": (
+            "self._calculate_rewards(inputs, prompts, completions, completion_ids_list)",
+            "advantages = advantages[process_slice]",
+        ),
+        "_get_train_sampler": ("RepeatSampler(",),
+    },
+    summary="RepeatSampler + _calculate_rewards + steps_per_generation",
+)

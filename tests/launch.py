@@ -1,0 +1,83 @@
+"""Start N ranks of a worker script over torch.distributed (gloo), each a real process, with a deadline.
+
+Ranks are started by hand with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT (accelerate and
+torch.distributed pick them up), not through a launcher that kills the others when one fails:
+the fault tests need to see what every rank does on its own (FACTS.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class RankResult:
+    rank: int
+    returncode: int | None  # None: killed at the deadline (a hang)
+    output: str
+    seconds: float
+    data: dict
+
+    @property
+    def hung(self) -> bool:
+        return self.returncode is None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(module: str, *args: str, world_size: int = 2, deadline: float = 120.0,
+              env: dict[str, str] | None = None) -> list[RankResult]:
+    """Run ``python -m <module> <outdir> <args>`` as ``world_size`` ranks; collect exit codes and JSON."""
+    outdir = Path(tempfile.mkdtemp(prefix="grpo_dist_"))
+    port = str(free_port())
+    procs, logs = [], []
+    start = time.monotonic()
+    for rank in range(world_size):
+        rank_env = dict(os.environ)
+        rank_env.update({
+            "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+            "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
+            "PYTHONPATH": str(ROOT) + os.pathsep + rank_env.get("PYTHONPATH", ""),
+        })
+        rank_env.update(env or {})
+        log = open(outdir / f"rank{rank}.log", "w+")
+        logs.append(log)
+        procs.append(subprocess.Popen([sys.executable, "-m", module, str(outdir), *args], cwd=ROOT,
+                                      env=rank_env, stdout=log, stderr=subprocess.STDOUT))
+    ended: dict[int, float] = {}
+    while len(ended) < world_size and time.monotonic() - start < deadline:
+        for rank, p in enumerate(procs):
+            if rank not in ended and p.poll() is not None:
+                ended[rank] = time.monotonic() - start
+        time.sleep(0.1)
+    results = []
+    for rank, (p, log) in enumerate(zip(procs, logs, strict=True)):
+        code: int | None = p.returncode if rank in ended else None
+        if code is None:
+            p.kill()
+            p.wait()
+        log.seek(0)
+        data_file = outdir / f"rank{rank}.json"
+        data = json.loads(data_file.read_text()) if data_file.exists() else {}
+        results.append(RankResult(rank, code, log.read(), ended.get(rank, deadline), data))
+        log.close()
+    return results
+
+
+def describe(results: list[RankResult]) -> str:
+    return "\n".join(f"--- rank {r.rank} rc={r.returncode} t={r.seconds:.1f}s\n{r.output[-3000:]}" for r in results)
