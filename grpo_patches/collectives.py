@@ -61,12 +61,13 @@ class _WorkerTimeout(Exception):
     pass
 
 
-def call_with_timeout(fn: Callable[[], T], timeout: float, *, what: str) -> T:
+def call_with_timeout(fn: Callable[[], T], timeout: float, *, what: str,
+                      running: Callable[[], str] | None = None) -> T:
     """Run ``fn`` in a daemon thread and wait at most ``timeout`` seconds.
 
     A stuck call cannot be killed from Python; the thread is left behind (daemon, so it does not
     keep the process alive) and a ``TimeoutError`` naming ``what`` is raised, which the callers
-    turn into a :class:`Failure` that every rank sees.
+    turn into a :class:`Failure` that every rank sees. ``running`` names what was in progress.
     """
     box: dict[str, Any] = {}
 
@@ -80,7 +81,9 @@ def call_with_timeout(fn: Callable[[], T], timeout: float, *, what: str) -> T:
     thread.start()
     thread.join(timeout)
     if thread.is_alive():
-        raise TimeoutError(f"{what} did not finish within reward_timeout={timeout:g} s")
+        now = running() if running is not None else ""
+        raise TimeoutError(f"{what} did not finish within reward_timeout={timeout:g} s"
+                           + (f" (still running: {now})" if now else ""))
     if "error" in box:
         raise box["error"]
     return box["value"]

@@ -189,27 +189,28 @@ def compute_rewards(
     chunk_size: int | None = None,
     timeout: float = 600.0,
     everywhere: bool = False,
+    running: Callable[[], str] | None = None,
 ) -> RewardResult:
     """Score this rank's ``batch`` where ``placement`` says; a collective over ``group``.
 
     ``everywhere=True`` also sends every rank the full rank-ordered tensor (for statistics that are
     global by definition, e.g. TRL's ``scale_rewards="batch"``); otherwise only rank 0 has it.
     Raises :class:`~grpo_patches.collectives.RemoteFailureError` on every rank if scoring failed or
-    timed out on any rank.
+    timed out on any rank; ``running`` names the reward function in progress for the timeout message.
     """
     if placement not in PLACEMENTS:
         raise ValueError(f"reward_placement={placement!r}; expected one of {PLACEMENTS}")
     run = lambda b: score_in_chunks(b, score_fn, num_generations=num_generations, chunk_size=chunk_size)  # noqa: E731
-    if placement == "local":
-        return _score_local(batch, run, group=group, timeout=timeout, everywhere=everywhere)
-    return _score_on_main(batch, run, group=group, timeout=timeout, everywhere=everywhere)
+    score = _score_local if placement == "local" else _score_on_main
+    return score(batch, run, group=group, timeout=timeout, everywhere=everywhere, running=running)
 
 
-def _score_local(batch, run, *, group: FailFastGroup, timeout: float, everywhere: bool) -> RewardResult:
+def _score_local(batch, run, *, group: FailFastGroup, timeout: float, everywhere: bool, running) -> RewardResult:
     failure: Failure | None = None
     scored: Scored | None = None
     try:
-        scored = call_with_timeout(lambda: run(batch), timeout, what=f"reward computation on rank {group.rank}")
+        scored = call_with_timeout(lambda: run(batch), timeout, what=f"reward computation on rank {group.rank}",
+                                   running=running)
     except Exception as exc:
         failure = failure_from(exc, rank=group.rank, where="reward computation")
     if group.world_size == 1:
@@ -239,7 +240,7 @@ def _score_local(batch, run, *, group: FailFastGroup, timeout: float, everywhere
     return RewardResult(scored.rewards, full, counts, scored.extras)
 
 
-def _score_on_main(batch, run, *, group: FailFastGroup, timeout: float, everywhere: bool) -> RewardResult:
+def _score_on_main(batch, run, *, group: FailFastGroup, timeout: float, everywhere: bool, running) -> RewardResult:
     failure: Failure | None = None
     payload: bytes | None = None
     try:
@@ -259,7 +260,8 @@ def _score_on_main(batch, run, *, group: FailFastGroup, timeout: float, everywhe
                 batches = [pickle.loads(p) for _, p in gathered]
                 counts = [len(b) for b in batches]
                 merged = RewardBatch.concat(batches)
-                scored = call_with_timeout(lambda: run(merged), timeout, what="reward computation on the main process")
+                scored = call_with_timeout(lambda: run(merged), timeout, what="reward computation on the main process",
+                                           running=running)
                 full = scored.rewards
             except Exception as exc:
                 failures.append(failure_from(exc, rank=group.rank, where="reward computation"))

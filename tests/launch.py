@@ -55,7 +55,7 @@ def run_ranks(module: str, *args: str, world_size: int = 2, deadline: float = 12
             "PYTHONPATH": str(ROOT) + os.pathsep + rank_env.get("PYTHONPATH", ""),
         })
         rank_env.update(env or {})
-        log = open(outdir / f"rank{rank}.log", "w+")
+        log = open(outdir / f"rank{rank}.log", "w+")  # noqa: SIM115 - closed after the ranks end
         logs.append(log)
         procs.append(subprocess.Popen([sys.executable, "-m", module, str(outdir), *args], cwd=ROOT,
                                       env=rank_env, stdout=log, stderr=subprocess.STDOUT))

@@ -113,7 +113,7 @@ def _accepts(func: Callable, name: str) -> bool:
 
 
 def score_batch(trainer: Any, batch: RewardBatch, group_ids: list[int], *, num_generations: int,
-                with_environments: bool) -> Scored:
+                with_environments: bool, progress: dict[str, str] | None = None) -> Scored:
     """TRL's reward loop for one chunk: every reward function / model on ``batch``.
 
     Same calls as upstream (``prompts``, ``completions``, ``completion_ids``, the dataset columns,
@@ -134,6 +134,8 @@ def score_batch(trainer: Any, batch: RewardBatch, group_ids: list[int], *, num_g
     for i, (func, processing_class, name) in enumerate(
         zip(trainer.reward_funcs, trainer.reward_processing_classes, trainer.reward_func_names, strict=True)
     ):
+        if progress is not None:
+            progress["now"] = f"reward function '{name}'"
         try:
             if isinstance(func, nn.Module):
                 rewards[:, i] = _score_with_model(trainer, Trainer, func, processing_class, batch)
@@ -195,16 +197,18 @@ def trl_layout_rewards(trainer: Any, inputs: list[dict], prompts: list, completi
     columns = {k: [ex[k] for ex in inputs] for k in inputs[0] if k not in UNSCORED_KEYS} if inputs else {}
     batch = RewardBatch(list(prompts), list(completions), list(completion_ids_list), columns)
     local_placement = options.reward_placement == "local"
+    progress: dict[str, str] = {}
     result = compute_rewards(
         batch,
         lambda b, ids: score_batch(trainer, b, ids, num_generations=num_generations,
-                                   with_environments=local_placement),
+                                   with_environments=local_placement, progress=progress),
         group=state.group,
         placement=options.reward_placement,
         num_generations=num_generations,
         chunk_size=options.reward_chunk_size,
         timeout=options.reward_timeout,
         everywhere=global_stats,
+        running=lambda: progress.get("now", ""),
     )
     log_extra = getattr(trainer, "_log_completion_extra", None)
     if log_extra is not None:

@@ -1,0 +1,191 @@
+"""Worker for multi-process tests through the real TRL GRPOTrainer: ``python -m tests.dist_trl OUTDIR SCENARIO``.
+
+Each rank writes ``OUTDIR/rank<r>.json``; the pytest side (test_trl_*.py) asserts on them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+
+from tests.helpers import (
+    grpo_args,
+    lora,
+    prompt_dataset,
+    quiet,
+    target_share,
+    tiny_policy,
+    tiny_reward_model,
+    tiny_tokenizer,
+)
+
+quiet()
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import grpo_patches  # noqa: E402
+
+RANK = int(os.environ.get("RANK", "0"))
+CALLS: list[dict] = []
+
+
+def recording_reward(completions, row, group_ids=None, num_generations=None, **kwargs):
+    """Records what each call holds (its rank, rows, group ids) and scores by the target letter."""
+    CALLS.append({"rank": RANK, "rows": list(row), "group_ids": group_ids, "num_generations": num_generations})
+    return target_share(completions, target=kwargs.get("target"))
+
+
+def length_reward(completions, **kwargs):
+    return [len(c.split()) / 6.0 for c in completions]
+
+
+def build(args, reward_funcs=None, n_rows=16, **kw):
+    from trl import GRPOTrainer
+
+    return GRPOTrainer(model=tiny_policy(), reward_funcs=reward_funcs or [recording_reward], args=args,
+                       train_dataset=prompt_dataset(n_rows), processing_class=tiny_tokenizer(),
+                       peft_config=lora(), **kw)
+
+
+def first_generation(trainer, seed=123):
+    batch = next(iter(trainer.get_train_dataloader()))
+    trainer.model.train()
+    torch.manual_seed(seed)
+    out = trainer._generate_and_score_completions(batch)
+    return batch, out
+
+
+def scenario_shape(data):
+    # 1. Stock TRL: 2 completions per rank with num_generations=4 -> each group split over 2 ranks.
+    grpo_patches.revert()
+    build(grpo_args(per_device_train_batch_size=2, num_generations=4, max_steps=2)).train()
+    data["stock_calls"] = list(CALLS)
+    CALLS.clear()
+    # 2. Patched: the same config is refused at construction.
+    grpo_patches.apply()
+    try:
+        build(grpo_args(per_device_train_batch_size=2, num_generations=4))
+        data["patched_error"] = None
+    except grpo_patches.GroupShapeError as exc:
+        data["patched_error"] = str(exc)
+    # 3. Patched, valid config: every reward call holds whole groups.
+    build(grpo_args(per_device_train_batch_size=4, num_generations=4, max_steps=2)).train()
+    data["patched_calls"] = list(CALLS)
+
+
+MODES = [
+    {"scale_rewards": "group"},
+    {"scale_rewards": "none"},
+    {"scale_rewards": "batch"},
+    {"scale_rewards": "group", "multi_objective_aggregation": "normalize_then_sum"},
+]
+
+
+def scenario_equivalence(data):
+    placement = data["argv"][0]
+    results = []
+    for mode in MODES:
+        row = {"mode": mode}
+        for label in ("stock", "patched"):
+            if label == "stock":
+                grpo_patches.revert()
+            else:
+                grpo_patches.apply(reward_placement=placement, reward_chunk_size=4)
+            trainer = build(grpo_args(per_device_train_batch_size=4, num_generations=4, **mode),
+                            reward_funcs=[recording_reward, length_reward])
+            batch, out = first_generation(trainer)
+            metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()
+                       if k.startswith("reward") or k == "frac_reward_zero_std"}
+            row[label] = {"rows": [b["row"] for b in batch], "completion_ids": out["completion_ids"].tolist(),
+                          "advantages": out["advantages"].tolist(), "metrics": metrics}
+        results.append(row)
+    data["results"] = results
+
+
+def scenario_main(data):
+    from torch import nn
+
+    grpo_patches.apply(reward_placement="main", reward_chunk_size=4)
+    reward_model = tiny_reward_model()
+    before = {k: v.clone() for k, v in reward_model.state_dict().items()}
+    trainer = build(grpo_args(per_device_train_batch_size=8, num_generations=4, max_steps=2),
+                    reward_funcs=[recording_reward, reward_model], reward_processing_classes=[None, tiny_tokenizer()])
+    data["reward_func_names"] = trainer.reward_func_names
+    data["holds_model"] = isinstance(trainer.reward_funcs[1], nn.Module)
+    # Score fixed completions through the patched path; compare with scoring them here, locally.
+    n = 8
+    completions = [f"a b {'a ' * (RANK + i % 3)}c" for i in range(n)]
+    inputs = [{"prompt": "say the letter a please", "row": RANK * 2 + i // 4, "target": "a"} for i in range(n)]
+    trainer.model.train()
+    rewards = trainer._calculate_rewards(inputs, [x["prompt"] for x in inputs], completions, [[0]] * n)
+    own = rewards[RANK * n:(RANK + 1) * n].cpu()
+    tok = tiny_tokenizer()
+    enc = tok(text=[x["prompt"] + c for x, c in zip(inputs, completions, strict=True)], return_tensors="pt", padding=True,
+              padding_side="right", add_special_tokens=False)
+    with torch.inference_mode():  # the user's own CPU object; TRL never touched it on rank > 0
+        expected_model = reward_model(**enc).logits[:, 0].tolist()
+    data["own"] = own.tolist()
+    data["expected_func"] = target_share(completions, target=["a"] * n)
+    data["expected_model"] = expected_model
+    data["others_nan"] = bool(torch.isnan(torch.cat([rewards[: RANK * n], rewards[(RANK + 1) * n:]])).all()) if RANK else None
+    data["model_untouched"] = all(torch.equal(before[k], v) for k, v in reward_model.state_dict().items())
+    CALLS.clear()
+    trainer.train()
+    data["train_calls"] = list(CALLS)
+
+
+def scenario_coverage(data):
+    n_rows, epochs = int(data["argv"][0]), int(data["argv"][1])
+    grpo_patches.apply()
+    trainer = build(grpo_args(per_device_train_batch_size=4, num_generations=2, max_steps=-1,
+                              num_train_epochs=epochs), n_rows=n_rows)
+    trainer.train()
+    data["calls"] = list(CALLS)
+    data["steps"] = trainer.state.global_step
+
+
+def scenario_fault(data):
+    kind, bad_rank, placement = data["argv"][0], int(data["argv"][1]), data["argv"][2]
+
+    def flaky_reward(completions, **kwargs):
+        if bad_rank == RANK:
+            if kind == "raise":
+                raise ZeroDivisionError("injected in flaky_reward")
+            if kind == "sleep":
+                time.sleep(3600)
+        return [1.0] * len(completions)
+
+    grpo_patches.apply(reward_placement=placement, reward_timeout=5.0)
+    trainer = build(grpo_args(per_device_train_batch_size=4, num_generations=4, max_steps=1),
+                    reward_funcs=[flaky_reward])
+    data["t0"] = time.time()
+    trainer.train()
+
+
+def main() -> None:
+    outdir, scenario, *argv = sys.argv[1:]
+    data: dict = {"rank": RANK, "argv": argv}
+    code = 0
+    try:
+        globals()[f"scenario_{scenario}"](data)
+    except Exception as exc:
+        data["error"] = f"{type(exc).__name__}: {exc}"
+        data["error_time"] = time.time()
+        data["traceback"] = traceback.format_exc()[-3000:]
+        code = 3
+    with open(os.path.join(outdir, f"rank{RANK}.json"), "w") as f:
+        json.dump(data, f)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if code == 0 and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    main()
