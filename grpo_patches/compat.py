@@ -1,39 +1,51 @@
 """The compatibility table: tested TRL releases and the dependency set each was tested with.
 
 One data file (``compat.json``) feeds the version check in :func:`grpo_patches.apply`, the nox
-matrix and the README's table, so a release is listed once.
+matrix, the install commands (``python grpo_patches/compat.py pins [RELEASE]``, which runs before
+anything is installed, so it imports nothing beyond the standard library) and the README's table,
+so a release is listed once.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from functools import cache
-from importlib import resources
+from pathlib import Path
 from typing import Any
 
-from packaging.version import Version
+__all__ = ["grpo_free_releases", "pins", "supported_range", "table", "tested_release_for", "tested_releases"]
 
-__all__ = ["grpo_free_releases", "supported_range", "table", "tested_release_for"]
+DATA = Path(__file__).with_name("compat.json")
+PINNED = ("transformers", "accelerate", "peft", "datasets")
 
 
 @cache
 def table() -> dict[str, Any]:
-    return json.loads(resources.files(__package__).joinpath("compat.json").read_text())
+    return json.loads(DATA.read_text())
 
 
-def tested_releases() -> list[Version]:
+def _key(release: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in release.split(".")[:3])
+
+
+def tested_releases() -> list:
+    from packaging.version import Version
+
     return sorted(Version(v) for v in table()["supported"])
 
 
-def grpo_free_releases() -> list[Version]:
+def grpo_free_releases() -> list:
     """Releases that need no patch: each process already generates whole groups (TRL 0.14)."""
+    from packaging.version import Version
+
     return sorted(Version(v) for v in table().get("grpo_free", []))
 
 
-def tested_release_for(version: Version) -> str | None:
+def tested_release_for(version) -> str | None:
     """The tested release of ``version``'s minor series (patch releases share a minor's code)."""
     for tested in table()["supported"]:
-        if Version(tested).release[:2] == version.release[:2]:
+        if _key(tested)[:2] == tuple(version.release[:2]):
             return tested
     return None
 
@@ -41,3 +53,23 @@ def tested_release_for(version: Version) -> str | None:
 def supported_range() -> str:
     releases = tested_releases()
     return f"trl {releases[0].major}.{releases[0].minor}.x - {releases[-1].major}.{releases[-1].minor}.x"
+
+
+def newest() -> str:
+    return max(table()["supported"], key=_key)
+
+
+def pins(release: str | None = None) -> list[str]:
+    """Requirement pins for one tested TRL release (the newest by default)."""
+    release = release or newest()
+    entry = table()["supported"][release]
+    return [f"trl=={release}"] + [f"{name}=={entry[name]}" for name in PINNED]
+
+
+if __name__ == "__main__":
+    if len(sys.argv) >= 2 and sys.argv[1] == "pins":
+        print(" ".join(pins(sys.argv[2] if len(sys.argv) > 2 else None)))
+    elif len(sys.argv) >= 2 and sys.argv[1] == "releases":
+        print(" ".join(sorted(table()["supported"], key=_key)))
+    else:
+        sys.exit("usage: python grpo_patches/compat.py pins [RELEASE] | releases")

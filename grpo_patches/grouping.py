@@ -132,7 +132,8 @@ class RankLocalGroupSampler(Sampler[int]):
         self.epoch = 0
         self._perms: list[list[int]] = []
         self._epochs: list[list[int]] = []
-        self._carry: list[int] = []
+        self._deferred: list[int] = []
+        self._pass = self._pos = 0
         self._generator: torch.Generator | None = None
 
     @property
@@ -156,20 +157,33 @@ class RankLocalGroupSampler(Sampler[int]):
     def epoch_prompts(self, epoch: int) -> list[int]:
         """The dataset rows of one epoch, in order: ``batches_per_epoch * prompts_per_batch`` distinct rows.
 
-        Epoch ``e`` first takes the rows that epoch ``e - 1`` could not fit (in their order), then
-        fills up from permutation ``e``, skipping those rows; what does not fit carries on. So no row
-        is repeated within an epoch, and over any run every row is used equally often, +-1.
+        Rows come from a stream of whole permutations (the ones upstream draws). Epoch ``e`` takes
+        the next rows of the stream; where the stream crosses into the next permutation, a row that
+        the epoch already holds is deferred to the start of the next epoch instead of repeated. So
+        no row is dropped or repeated within an epoch, and over any run every row is used equally
+        often, +-1.
         """
         n = self.batches_per_epoch * self.prompts_per_batch
         while len(self._epochs) <= epoch:
-            e = len(self._epochs)
-            carried = self._carry
-            taken = set(carried)
-            fresh = [i for i in self._permutation(e) if i not in taken]
-            rows = (carried + fresh)[:n]
-            self._carry = (carried + fresh)[n:]
+            rows: list[int] = []
+            seen: set[int] = set()
+            deferred: list[int] = []
+            pending = self._deferred
+            while len(rows) < n:
+                row = pending.pop(0) if pending else self._next_in_stream()
+                (deferred if row in seen else rows).append(row)
+                seen.add(row)
+            self._deferred = pending + deferred
             self._epochs.append(rows)
         return self._epochs[epoch]
+
+    def _next_in_stream(self) -> int:
+        perm = self._permutation(self._pass)
+        row = perm[self._pos]
+        self._pos += 1
+        if self._pos == len(perm):
+            self._pass, self._pos = self._pass + 1, 0
+        return row
 
     def __iter__(self) -> Iterator[int]:
         rows = self.epoch_prompts(self.epoch)

@@ -1,0 +1,784 @@
+"""Preflight: predict each rank's peak GPU memory for GRPO + LoRA, and check the shape rules, before a run.
+
+Nothing is loaded: parameters are counted on the meta device (``AutoModelForCausalLM.from_config``
+under ``torch.device("meta")``, then ``peft.get_peft_model``), so a 70B config is checked on a CPU in
+seconds. TRL is optional: the GRPO settings may be a ``trl.GRPOConfig``, a dict or a namespace.
+
+Memory model (bytes; "act" = the autocast compute dtype: 2 for bf16/fp16, 4 for fp32; "w" = the
+dtype the frozen policy weights are loaded in; T = training micro-batch tokens = B * (P + C);
+N_c = completion tokens = B * C; N_gen = completions a rank generates at once = B * S; B =
+per_device_train_batch_size, S = steps_per_generation, P / C = prompt / completion length):
+
+- ``weights``: frozen policy parameters * w. DDP keeps a full copy per rank.
+- ``lora_params`` / ``lora_grads`` / ``optimizer_state``: trainable parameters * 4 each (PEFT keeps
+  adapters in fp32), AdamW two fp32 moments (8 bytes; 8-bit optimizers 2); with world_size > 1 DDP
+  adds a gradient bucket copy (4 bytes) to ``lora_grads``.
+- ``activations``: per layer per token ``_ACT_COEF`` (measured, see below) times the layer's widths;
+  with gradient checkpointing: L * T * hidden * act (the saved layer inputs) plus one layer
+  recomputed; plus a backward workspace of T * (3 * intermediate + 2 * hidden) * act.
+- ``logits_logps``: TRL >= 1.x with a fused LM head (``add_fused_lm_head``) never materializes the
+  logits: one [min(N_c, 4096), 32768] tile in act, plus an fp32 gradient of the hidden states and
+  an act copy of them (N_c * hidden * (4 + 2 * act)). Older releases ("full"): the [B, C + 1, V]
+  logits, the temperature-scaled copy and the per-row log-softmax saved for backward: 3 * B * (C + 1)
+  * V * act.
+- ``autocast_cache``: fp32 weights under bf16/fp16 autocast get a 16-bit copy per matmul weight
+  while the forward/backward runs: (frozen params - embeddings) * act.
+- ``kv_cache``: 2 * L * kv_heads * head_dim * (P + C) * N_gen * act, plus one layer's worth for the
+  ``torch.cat`` growth of the dynamic cache.
+- ``generation_transient``: the prefill's widest layer temporaries, N_gen * P * (q + 2 kv + 2 hidden
+  + 3 intermediate) * act, and the last-token logits N_gen * V * 4 * 3 (fp32 scores, processed
+  scores, probabilities).
+- ``reward_weights``: each reward model's parameters in its dtype, on every rank ("local") or on
+  rank 0 only ("main"). ``reward_scoring``: one no-grad forward over a chunk of completions (the
+  prefill formula with the reward model's widths). Rule-based reward functions cost nothing here.
+- No reference model: with PEFT, TRL gets reference log-probs by disabling the adapter (beta > 0),
+  and beta defaults to 0.0 in recent TRL.
+
+Per rank, the peak is the largest of three phases, each on top of the resident memory (weights,
+LoRA params, optimizer state, reward weights on that rank): generation (+ KV cache + generation
+transient), scoring (+ reward scoring), training (+ LoRA grads + activations + logits + autocast
+cache). ``peak`` is comparable with ``torch.cuda.max_memory_allocated()``; ``fits`` also adds
+``overhead_gb`` (CUDA context, NCCL buffers) and ``fragmentation`` (allocator slack) on top.
+
+``_ACT_COEF`` was measured on CPU (torch 2.13, transformers 5.20, peft 0.21) by summing the unique
+storages of the tensors autograd saves (``torch.autograd.graph.saved_tensors_hooks``) for Llama
+decoder layers with the pinned LoRA adapter, over eight shapes, least squares: residual < 0.5%.
+``tests/test_preflight.py`` re-measures it. The GPU calibration (attention kernels, allocator) is
+recorded in docs/defaults_preflight_monitor.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from grpo_patches.grouping import GroupShapeError, check_group_shape
+
+__all__ = [
+    "PRESETS",
+    "ParamCount",
+    "PreflightError",
+    "PreflightReport",
+    "PreflightWarning",
+    "RankEstimate",
+    "RewardModelSpec",
+    "count_parameters",
+    "load_model_config",
+    "preflight",
+]
+
+GiB = 2**30
+
+#: Bytes saved for backward per token per decoder layer, per unit of width, keyed by (activation
+#: bytes, LoRA dropout > 0). Widths: hidden, intermediate, q = heads * head_dim, kv = kv_heads *
+#: head_dim, and per attention head (the attention kernel's log-sum-exp and friends).
+_ACT_COEF: dict[tuple[int, bool], dict[str, float]] = {
+    (2, True): {"hidden": 37.96, "intermediate": 12.23, "q": 10.12, "kv": 4.05, "heads": 13.9},
+    (2, False): {"hidden": 17.96, "intermediate": 8.23, "q": 6.12, "kv": 4.05, "heads": 13.9},
+    (4, True): {"hidden": 47.92, "intermediate": 20.45, "q": 16.23, "kv": 8.10, "heads": 23.5},
+    (4, False): {"hidden": 15.92, "intermediate": 16.45, "q": 8.23, "kv": 8.10, "heads": 23.5},
+}
+_FUSED_TOKEN_CHUNK = 4096  # trl.kernels.chunked_logprob.TOKEN_CHUNK_SIZE
+_FUSED_VOCAB_CHUNK = 32768  # trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE
+
+#: The article's trainable-share band (S4: 0.1-0.5%) holds for a 70B model, where the pinned LoRA
+#: gives 0.2927% (counted on the meta device for the Llama-3.1-70B config). For other sizes the band
+#: is scaled by the share the pinned LoRA gives on that architecture (0.52% at 8B, 1.2% at 1.5B).
+_ARTICLE_SHARE_BAND = (0.001, 0.005)
+_ARTICLE_SHARE_REFERENCE = 0.002927
+_LARGE_MODEL_PARAMS = 65e9  # S9's "70B+": Llama 65B / 70B class
+_MIN_TOTAL_VRAM_GB = 40.0
+_MIN_DATASET_SIZE = 1000
+_MIN_FREE_GB = 2.0  # S8
+
+_DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2, "float64": 8}
+
+#: Public architecture numbers, so `grpo-patches doctor --model llama-3.1-70b` needs no file.
+PRESETS: dict[str, dict[str, Any]] = {
+    "llama-3.1-70b": dict(model_type="llama", hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                          num_attention_heads=64, num_key_value_heads=8, vocab_size=128256,
+                          max_position_embeddings=131072, rope_theta=500000.0, tie_word_embeddings=False),
+    "llama-3.1-8b": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                         max_position_embeddings=131072, rope_theta=500000.0, tie_word_embeddings=False),
+    "qwen2-1.5b": dict(model_type="qwen2", hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                       num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
+                       max_position_embeddings=32768, rope_theta=1000000.0, tie_word_embeddings=True),
+    "qwen2.5-0.5b": dict(model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                         num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
+                         max_position_embeddings=32768, rope_theta=1000000.0, tie_word_embeddings=True),
+}
+
+
+class PreflightWarning(UserWarning):
+    """A setting that will run but that the article (S4, S8, S9) advises against."""
+
+
+class PreflightError(ValueError):
+    """The predicted peak exceeds the memory given; the message lists settings that fit."""
+
+
+@dataclasses.dataclass
+class RewardModelSpec:
+    """A learned reward model: its config (object, dict, config.json path or preset name), dtype and
+    scoring chunk (completions per forward; None = one rank's generation batch)."""
+
+    config: Any
+    dtype: str = "bfloat16"
+    batch_size: int | None = None
+    name: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamCount:
+    total: int
+    trainable: int
+    embedding: int
+    reference_trainable: int  # what the pinned LoRA would train on this architecture
+
+    @property
+    def frozen(self) -> int:
+        return self.total - self.trainable
+
+    @property
+    def share(self) -> float:
+        return self.trainable / self.total if self.total else 0.0
+
+    @property
+    def reference_share(self) -> float:
+        return self.reference_trainable / self.total if self.total else 0.0
+
+
+@dataclasses.dataclass
+class RankEstimate:
+    """One rank's predicted memory: bytes per component, per phase, the peak and whether it fits."""
+
+    rank: int
+    components: dict[str, int]
+    phases: dict[str, int]
+    capacity: int | None = None
+    overhead: int = 0
+    fragmentation: float = 0.0
+
+    @property
+    def peak(self) -> int:
+        return max(self.phases.values())
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=lambda k: self.phases[k])
+
+    @property
+    def required(self) -> int:
+        """Peak plus allocator slack and the memory torch does not count (CUDA context)."""
+        return int(self.peak * (1 + self.fragmentation)) + self.overhead
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.capacity is None else self.required <= self.capacity
+
+    @property
+    def headroom(self) -> int | None:
+        return None if self.capacity is None else self.capacity - self.required
+
+    def __str__(self) -> str:
+        return _render([self], title=f"rank {self.rank}")
+
+
+@dataclasses.dataclass
+class PreflightReport:
+    """Everything the preflight found: per-rank estimates, parameter counts, errors and warnings."""
+
+    ranks: list[RankEstimate]
+    params: ParamCount
+    settings: dict[str, Any]
+    activations_checkpointed: int
+    activations_full: int
+    errors: list[str] = dataclasses.field(default_factory=list)
+    warnings: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def peak(self) -> int:
+        return max(r.peak for r in self.ranks)
+
+    @property
+    def fits(self) -> bool | None:
+        flags = [r.fits for r in self.ranks]
+        return None if any(f is None for f in flags) else all(flags)
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+    def table(self) -> str:
+        return _render(self.ranks)
+
+    def __str__(self) -> str:
+        s = self.settings
+        lines = [
+            f"policy: {self.params.total / 1e9:.2f}B params, trainable {self.params.trainable / 1e6:.2f}M "
+            f"({100 * self.params.share:.3f}%); weights {s['dtype']}, compute {s['compute_dtype']}",
+            f"shape: world_size={s['world_size']} per_device_train_batch_size={s['per_device_train_batch_size']} "
+            f"steps_per_generation={s['steps_per_generation']} num_generations={s['num_generations']} "
+            f"prompt={s['prompt_length']} completion={s['completion_length']} tokens; "
+            f"gradient_checkpointing={s['gradient_checkpointing']}; logits={s['logits_mode']}; "
+            f"rewards={s['reward_placement']}",
+            self.table(),
+            f"activations: {_gib(self.activations_checkpointed)} with gradient checkpointing, "
+            f"{_gib(self.activations_full)} without (per rank)",
+        ]
+        lines += [f"ERROR: {e}" for e in self.errors]
+        lines += [f"warning: {w}" for w in self.warnings]
+        return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------- inputs
+
+
+def load_model_config(model_config: Any) -> Any:
+    """A transformers config from a config object, a dict, a config.json path / folder or a preset name."""
+    import transformers
+
+    if isinstance(model_config, transformers.PretrainedConfig):
+        return model_config
+    if isinstance(model_config, str) and model_config.lower() in PRESETS:
+        model_config = PRESETS[model_config.lower()]
+    if isinstance(model_config, (str, os.PathLike)):
+        path = Path(model_config)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"grpo_patches.preflight: no config at {str(model_config)!r}; give a config.json path, a folder "
+                f"holding one, a transformers config object, or a preset ({', '.join(PRESETS)})."
+            )
+        model_config = json.loads(path.read_text())
+    if isinstance(model_config, Mapping):
+        d = dict(model_config)
+        model_type = d.pop("model_type", None)
+        if model_type is None:
+            raise ValueError("grpo_patches.preflight: a config dict needs a 'model_type' (e.g. 'llama').")
+        return transformers.AutoConfig.for_model(model_type, **d)
+    raise TypeError(f"grpo_patches.preflight: cannot read a model config from {type(model_config).__name__}.")
+
+
+def _setting(cfg: Any, name: str, default: Any) -> Any:
+    if cfg is None:
+        return default
+    value = cfg.get(name, default) if isinstance(cfg, Mapping) else getattr(cfg, name, default)
+    return default if value is None else value
+
+
+def _dtype_bytes(dtype: Any) -> int:
+    if isinstance(dtype, torch.dtype):
+        return torch.empty((), dtype=dtype).element_size()
+    key = str(dtype).replace("torch.", "").lower()
+    if key not in _DTYPE_BYTES:
+        raise ValueError(f"grpo_patches.preflight: unknown dtype {dtype!r}; use one of {sorted(_DTYPE_BYTES)}.")
+    return _DTYPE_BYTES[key]
+
+
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Arch:
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    model_type: str
+    moe: bool
+
+    @property
+    def q(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv(self) -> int:
+        return self.kv_heads * self.head_dim
+
+
+def _arch(cfg: Any) -> _Arch:
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    hidden = text.hidden_size
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or hidden // heads
+    moe = any(getattr(text, k, None) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
+    inter = getattr(text, "intermediate_size", None) or 4 * hidden
+    if moe:  # widths of the experts a token visits
+        per_expert = getattr(text, "moe_intermediate_size", None) or inter
+        inter = per_expert * (getattr(text, "num_experts_per_tok", None) or 2)
+    return _Arch(
+        layers=text.num_hidden_layers,
+        hidden=hidden,
+        intermediate=inter,
+        heads=heads,
+        kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+        head_dim=head_dim,
+        vocab=text.vocab_size,
+        model_type=getattr(cfg, "model_type", "") or "",
+        moe=bool(moe),
+    )
+
+
+# ----------------------------------------------------------------------------- parameter count
+
+
+def _reference_lora_params(model: torch.nn.Module) -> int:
+    """Parameters the pinned LoRA adds: r * (in + out) for each targeted Linear."""
+    from grpo_patches.defaults import ARTICLE_LORA_SETTINGS
+
+    r = ARTICLE_LORA_SETTINGS["r"]
+    targets = set(ARTICLE_LORA_SETTINGS["target_modules"])
+    return sum(
+        r * (m.in_features + m.out_features)
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in targets
+    )
+
+
+_COUNT_CACHE: dict[tuple[str, str], ParamCount] = {}
+
+
+def count_parameters(model_config: Any, lora_config: Any = None) -> ParamCount:
+    """Count the policy's parameters with ``lora_config`` (pinned LoRA when None), on the meta device.
+
+    Results are cached per (config, LoRA config), so repeated preflights of one 70B config are free.
+    """
+    import peft
+    import transformers
+
+    from grpo_patches.defaults import lora_config as default_lora
+
+    cfg = load_model_config(model_config)
+    lora = default_lora() if lora_config is None else lora_config
+    key = (cfg.to_json_string(use_diff=False), repr(lora))
+    if key not in _COUNT_CACHE:
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(cfg)
+        embedding = sum(p.numel() for p in model.get_input_embeddings().parameters())
+        reference = _reference_lora_params(model)
+        peft_model = peft.get_peft_model(model, lora)
+        total = sum(p.numel() for p in peft_model.parameters())
+        trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+        _COUNT_CACHE[key] = ParamCount(total=total, trainable=trainable, embedding=embedding,
+                                       reference_trainable=reference)
+    return _COUNT_CACHE[key]
+
+
+def _count_reward_model(cfg: Any) -> int:
+    d = cfg.to_dict()
+    d.pop("model_type", None)
+    return _count_rm_cached(json.dumps(d, sort_keys=True, default=str), cfg.model_type)
+
+
+@functools.lru_cache(maxsize=32)
+def _count_rm_cached(config_json: str, model_type: str) -> int:
+    import transformers
+
+    cfg = transformers.AutoConfig.for_model(model_type, **json.loads(config_json))
+    cfg.num_labels = 1
+    with torch.device("meta"):
+        try:
+            model = transformers.AutoModelForSequenceClassification.from_config(cfg)
+        except ValueError:  # no classification head registered for this type: count the backbone
+            model = transformers.AutoModel.from_config(cfg)
+    return sum(p.numel() for p in model.parameters())
+
+
+# ------------------------------------------------------------------------------------- estimate
+
+
+def _activations(arch: _Arch, tokens: int, act: int, dropout: bool, checkpointing: bool) -> int:
+    coef = _ACT_COEF[(2 if act <= 2 else 4, dropout)]
+    scale = act / (2 if act <= 2 else 4)
+    per_layer = scale * (
+        coef["hidden"] * arch.hidden + coef["intermediate"] * arch.intermediate + coef["q"] * arch.q
+        + coef["kv"] * arch.kv + coef["heads"] * arch.heads
+    )
+    workspace = tokens * (3 * arch.intermediate + 2 * arch.hidden) * act
+    if checkpointing:
+        saved = arch.layers * tokens * arch.hidden * act + tokens * per_layer
+    else:
+        saved = arch.layers * tokens * per_layer
+    return int(saved + workspace)
+
+
+def _prefill_transient(arch: _Arch, tokens: int, act: int) -> int:
+    return tokens * (arch.q + 2 * arch.kv + 2 * arch.hidden + 3 * arch.intermediate) * act
+
+
+def _logits(arch: _Arch, batch: int, completion: int, act: int, mode: str) -> int:
+    if mode == "fused":
+        n = batch * completion
+        tile = min(n, _FUSED_TOKEN_CHUNK) * min(arch.vocab, _FUSED_VOCAB_CHUNK) * act
+        return tile + n * arch.hidden * (4 + 2 * act) + n * 8 * 4
+    return 3 * batch * (completion + 1) * arch.vocab * act
+
+
+def _detect_logits_mode() -> str:
+    try:
+        from trl.trainer import utils as trl_utils
+    except Exception:  # TRL absent or broken: assume the older, heavier path
+        return "full"
+    return "fused" if hasattr(trl_utils, "add_fused_lm_head") else "full"
+
+
+def _optimizer_bytes_per_param(optim: str) -> float:
+    name = str(optim).lower()
+    if "8bit" in name:
+        return 2.0
+    if name.startswith("sgd"):
+        return 0.0
+    if "adafactor" in name:
+        return 0.5
+    return 8.0
+
+
+def _reward_specs(reward_models: Iterable[Any]) -> tuple[list[RewardModelSpec], int]:
+    specs: list[RewardModelSpec] = []
+    functions = 0
+    for item in reward_models:
+        if isinstance(item, RewardModelSpec):
+            specs.append(item)
+        elif callable(item) and not isinstance(item, (str, os.PathLike, Mapping)) and not hasattr(item, "to_dict"):
+            functions += 1  # a rule-based reward function: no GPU memory
+        else:
+            specs.append(RewardModelSpec(config=item))
+    return specs, functions
+
+
+def _estimate(
+    arch: _Arch,
+    params: ParamCount,
+    *,
+    world_size: int,
+    batch: int,
+    steps: int,
+    prompt: int,
+    completion: int,
+    checkpointing: bool,
+    w_bytes: int,
+    act: int,
+    dropout: bool,
+    optim: str,
+    logits_mode: str,
+    rewards: list[tuple[RewardModelSpec, _Arch, int]],
+    placement: str,
+    capacity: int | None,
+    overhead: int,
+    fragmentation: float,
+) -> list[RankEstimate]:
+    tokens = batch * (prompt + completion)
+    n_gen = batch * steps
+    frozen = params.frozen * w_bytes
+    trainable = params.trainable
+    ddp = 4 * trainable if world_size > 1 else 0
+    kv_layer = 2 * arch.kv * (prompt + completion) * n_gen * act
+    common = {
+        "weights": frozen,
+        "lora_params": 4 * trainable,
+        "lora_grads": 4 * trainable + ddp,
+        "optimizer_state": int(_optimizer_bytes_per_param(optim) * trainable),
+        "activations": _activations(arch, tokens, act, dropout, checkpointing),
+        "logits_logps": _logits(arch, batch, completion, act, logits_mode),
+        "autocast_cache": (params.frozen - params.embedding) * act if w_bytes > act else 0,
+        "kv_cache": kv_layer * arch.layers + kv_layer,
+        "generation_transient": _prefill_transient(arch, n_gen * prompt, act) + n_gen * arch.vocab * 4 * 3,
+    }
+    estimates = []
+    for rank in range(world_size):
+        comp = dict(common)
+        hosts = placement == "local" or rank == 0
+        rm_weights = 0
+        rm_scoring = 0
+        if hosts:
+            for spec, rm_arch, rm_params in rewards:
+                rm_bytes = _dtype_bytes(spec.dtype)
+                rm_weights += rm_params * rm_bytes
+                chunk = spec.batch_size or (n_gen if placement == "local" else n_gen * world_size)
+                chunk = min(chunk, n_gen * (world_size if placement == "main" else 1))
+                seq = prompt + completion
+                rm_scoring = max(
+                    rm_scoring,
+                    _prefill_transient(rm_arch, chunk * seq, rm_bytes) + chunk * seq * rm_arch.hidden * rm_bytes,
+                )
+        comp["reward_weights"] = rm_weights
+        comp["reward_scoring"] = rm_scoring
+        resident = comp["weights"] + comp["lora_params"] + comp["optimizer_state"] + rm_weights + ddp
+        phases = {
+            "generation": resident + comp["kv_cache"] + comp["generation_transient"],
+            "scoring": resident + rm_scoring,
+            "training": resident + comp["lora_grads"] - ddp + comp["activations"] + comp["logits_logps"]
+            + comp["autocast_cache"],
+        }
+        estimates.append(RankEstimate(rank, comp, phases, capacity, overhead, fragmentation))
+    return estimates
+
+
+# ------------------------------------------------------------------------------------- preflight
+
+
+def preflight(
+    model_config: Any,
+    *,
+    grpo_config: Any = None,
+    lora_config: Any = None,
+    world_size: int = 1,
+    gpu_memory_gb: float | None = None,
+    reward_models: Sequence[Any] = (),
+    reward_placement: str = "local",
+    dataset_size: int | None = None,
+    prompt_length: int | None = None,
+    dtype: Any = None,
+    logits_mode: str = "auto",
+    overhead_gb: float = 1.0,
+    fragmentation: float = 0.05,
+    raise_on_error: bool = True,
+    warn: bool = True,
+) -> PreflightReport:
+    """Predict each rank's peak memory by component and check the run's shape before it starts.
+
+    ``grpo_config``: a ``trl.GRPOConfig``, dict or namespace (missing settings take the pinned
+    defaults of :mod:`grpo_patches.defaults`); ``lora_config``: a ``peft.LoraConfig`` (pinned when
+    None); ``gpu_memory_gb``: GiB per GPU; ``reward_models``: configs / paths / presets /
+    :class:`RewardModelSpec` (callables count as rule-based functions); ``reward_placement``: "local"
+    (every rank) or "main" (rank 0); ``prompt_length``: tokens (default: the config's
+    ``max_prompt_length``, else 256); ``dtype``: the frozen weights' dtype (default: the config's
+    ``model_init_kwargs`` dtype, else bf16 when bf16 is on).
+
+    Errors (a group split across ranks, a predicted peak over ``gpu_memory_gb``) raise
+    ``ValueError`` (:class:`GroupShapeError` / :class:`PreflightError`) with the fix when
+    ``raise_on_error``; otherwise they are in ``report.errors``. Advice (S4 trainable share, S8
+    headroom, S9) is issued as :class:`PreflightWarning` and kept in ``report.warnings``.
+    """
+    from grpo_patches.defaults import ARTICLE_TRAINING_SETTINGS
+
+    if reward_placement not in ("local", "main"):
+        raise ValueError(f"reward_placement={reward_placement!r} must be 'local' or 'main'.")
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size={world_size!r} must be an integer >= 1.")
+    if gpu_memory_gb is not None and not gpu_memory_gb > 0:
+        raise ValueError(f"gpu_memory_gb={gpu_memory_gb!r} must be > 0.")
+    if logits_mode not in ("auto", "fused", "full"):
+        raise ValueError(f"logits_mode={logits_mode!r} must be 'auto', 'fused' or 'full'.")
+
+    cfg = load_model_config(model_config)
+    arch = _arch(cfg)
+    art = ARTICLE_TRAINING_SETTINGS
+    g = grpo_config
+    batch = int(_setting(g, "per_device_train_batch_size", art["per_device_train_batch_size"]))
+    accum = int(_setting(g, "gradient_accumulation_steps", art["gradient_accumulation_steps"]))
+    steps = int(_setting(g, "steps_per_generation", accum))
+    num_gen = int(_setting(g, "num_generations", art["group_size"]))
+    completion = int(_setting(g, "max_completion_length", art["max_length"] // 2))
+    prompt = int(prompt_length if prompt_length is not None else _setting(g, "max_prompt_length", art["max_length"] // 2))
+    checkpointing = bool(_setting(g, "gradient_checkpointing", art["gradient_checkpointing"]))
+    bf16 = bool(_setting(g, "bf16", True)) if g is not None else True
+    fp16 = bool(_setting(g, "fp16", False))
+    compute_dtype = "bfloat16" if bf16 else ("float16" if fp16 else "float32")
+    init_kwargs = _setting(g, "model_init_kwargs", {}) or {}
+    if dtype is None:
+        dtype = init_kwargs.get("dtype") or init_kwargs.get("torch_dtype")
+        if dtype in (None, "auto"):
+            dtype = compute_dtype
+    optim = str(_setting(g, "optim", art["optim"]))
+    optim = getattr(optim, "value", optim)
+    mode = _detect_logits_mode() if logits_mode == "auto" else logits_mode
+
+    from grpo_patches.defaults import lora_config as default_lora
+
+    lora = default_lora() if lora_config is None else lora_config
+    params = count_parameters(cfg, lora)
+    dropout = float(getattr(lora, "lora_dropout", 0.0) or 0.0) > 0
+
+    specs, n_functions = _reward_specs(reward_models)
+    rewards = []
+    for spec in specs:
+        rm_cfg = load_model_config(spec.config)
+        rewards.append((spec, _arch(rm_cfg), _count_reward_model(rm_cfg)))
+
+    errors: list[str] = []
+    advice: list[str] = []
+    group_error: GroupShapeError | None = None
+    try:
+        check_group_shape(per_device_batch_size=batch, steps_per_generation=steps, num_generations=num_gen,
+                          world_size=world_size, mode="train")
+    except GroupShapeError as e:
+        group_error = e
+        errors.append(str(e))
+    if _setting(g, "eval_strategy", "no") != "no":  # IntervalStrategy is a str enum: compares by value
+        try:
+            check_group_shape(per_device_batch_size=int(_setting(g, "per_device_eval_batch_size", 8)),
+                              steps_per_generation=1,
+                              num_generations=int(_setting(g, "num_generations_eval", num_gen)),
+                              world_size=world_size, mode="eval")
+        except GroupShapeError as e:
+            group_error = group_error or e
+            errors.append(str(e))
+
+    capacity = int(gpu_memory_gb * GiB) if gpu_memory_gb is not None else None
+    common = dict(world_size=world_size, batch=batch, steps=steps, prompt=prompt, completion=completion,
+                  w_bytes=_dtype_bytes(dtype), act=_dtype_bytes(compute_dtype), dropout=dropout, optim=optim,
+                  logits_mode=mode, rewards=rewards, placement=reward_placement, capacity=capacity,
+                  overhead=int(overhead_gb * GiB), fragmentation=fragmentation)
+    ranks = _estimate(arch, params, checkpointing=checkpointing, **common)
+    act_ckpt = _activations(arch, batch * (prompt + completion), common["act"], dropout, True)
+    act_full = _activations(arch, batch * (prompt + completion), common["act"], dropout, False)
+
+    fit_error: PreflightError | None = None
+    over = [r for r in ranks if r.fits is False]
+    if over:
+        fit_error = PreflightError(_no_fit_message(arch, params, over, checkpointing, common))
+        errors.append(str(fit_error))
+    elif capacity is not None:
+        tight = [r.rank for r in ranks if r.headroom is not None and r.headroom < _MIN_FREE_GB * GiB]
+        if tight:
+            advice.append(
+                f"ranks {tight} are predicted to keep under {_MIN_FREE_GB:g} GiB free (S8 keeps >= 2 GiB per GPU "
+                f"for peaks); lower per_device_train_batch_size or max_completion_length."
+            )
+
+    advice += _share_advice(params, lora_config is None)
+    total_vram = world_size * gpu_memory_gb if gpu_memory_gb is not None else None
+    if params.total >= _LARGE_MODEL_PARAMS and total_vram is not None and total_vram < _MIN_TOTAL_VRAM_GB:
+        advice.append(
+            f"{params.total / 1e9:.0f}B parameters on {total_vram:g} GiB of VRAM in all (under {_MIN_TOTAL_VRAM_GB:g}): "
+            f"S9 says multi-GPU GRPO + LoRA is not worth it here; use more GPUs or a 4-bit single-GPU setup."
+        )
+    if dataset_size is not None and dataset_size < _MIN_DATASET_SIZE:
+        advice.append(
+            f"dataset_size={dataset_size} is under {_MIN_DATASET_SIZE} examples: S9 says GRPO is not worth it on so "
+            f"little data; collect more prompts or use supervised fine-tuning."
+        )
+    if not specs:
+        what = f"only {n_functions} rule-based reward function(s)" if n_functions else "no reward model"
+        advice.append(
+            f"{what}: S9 advises GRPO with a learned reward model of the policy's family; pass it in reward_models "
+            f"so its memory is counted."
+        )
+    elif arch.model_type and not any(a.model_type == arch.model_type for _, a, _ in rewards):
+        advice.append(
+            f"no reward model shares the policy's family ({arch.model_type}); S9 advises one of the same family."
+        )
+    if bool(_setting(g, "use_vllm", False)):
+        advice.append("use_vllm=True: vLLM's memory pool is not modelled; the generation figures assume transformers.")
+    if arch.moe:
+        advice.append("mixture-of-experts config: activations use the routed experts' width; treat them as rough.")
+
+    settings = dict(world_size=world_size, per_device_train_batch_size=batch, steps_per_generation=steps,
+                    num_generations=num_gen, prompt_length=prompt, completion_length=completion,
+                    gradient_checkpointing=checkpointing, dtype=_dtype_name(dtype), compute_dtype=compute_dtype,
+                    logits_mode=mode, reward_placement=reward_placement, optim=optim)
+    report = PreflightReport(ranks, params, settings, act_ckpt, act_full, errors, advice)
+    if warn:
+        for message in advice:
+            warnings.warn(f"grpo_patches.preflight: {message}", PreflightWarning, stacklevel=2)
+    if raise_on_error:
+        if group_error is not None:
+            raise group_error
+        if fit_error is not None:
+            raise fit_error
+    return report
+
+
+def _share_advice(params: ParamCount, pinned: bool) -> list[str]:
+    scale = params.reference_share / _ARTICLE_SHARE_REFERENCE
+    low, high = (b * scale for b in _ARTICLE_SHARE_BAND)
+    share = params.share
+    if low <= share <= high:
+        return []
+    hint = ("more weights than the adapter are trainable (modules_to_save, an unfrozen layer?) or r is too large"
+            if share > high else "r is small or few modules are targeted")
+    return [
+        f"trainable share {100 * share:.3f}% is outside {100 * low:.3f}-{100 * high:.3f}% (S4's 0.1-0.5% for 70B, "
+        f"scaled to this architecture, where the pinned r=16 on q/k/v/o/gate/up/down gives "
+        f"{100 * params.reference_share:.3f}%): {hint}."
+        + ("" if not pinned else " (pinned LoRA)")
+    ]
+
+
+def _no_fit_message(arch: _Arch, params: ParamCount, over: list[RankEstimate], checkpointing: bool,
+                    common: dict[str, Any]) -> str:
+    worst = max(over, key=lambda r: r.required)
+    top = sorted(worst.components.items(), key=lambda kv: -kv[1])[:3]
+    cap = worst.capacity or 0
+    msg = (
+        f"grpo_patches.preflight: rank {worst.rank} needs {_gib(worst.required)} (peak {_gib(worst.peak)} in "
+        f"{worst.peak_phase} + overhead) but has {_gib(cap)}; largest parts: "
+        + ", ".join(f"{k} {_gib(v)}" for k, v in top)
+        + "."
+    )
+    fixes = []
+
+    def try_fix(label: str, **change: Any) -> None:
+        c = {**common, **change}
+        ck = c.pop("checkpointing", checkpointing)
+        est = _estimate(arch, params, checkpointing=ck, **c)
+        need = max(r.required for r in est)
+        fixes.append(f"{label} -> {_gib(need)}{' (fits)' if need <= cap else ''}")
+
+    if not checkpointing:
+        try_fix("gradient_checkpointing=True", checkpointing=True)
+    if common["batch"] > 1 and common["batch"] % 2 == 0:
+        try_fix(f"per_device_train_batch_size={common['batch'] // 2} with steps_per_generation={common['steps'] * 2}",
+                batch=common["batch"] // 2, steps=common["steps"] * 2)
+    if common["completion"] >= 64:
+        try_fix(f"max_completion_length={common['completion'] // 2}", completion=common["completion"] // 2)
+    if common["rewards"] and common["placement"] == "local" and common["world_size"] > 1:
+        try_fix("reward_placement='main'", placement="main")
+    if common["w_bytes"] > common["act"]:
+        try_fix("load the policy in bf16 (model_init_kwargs={'dtype': 'bfloat16'})", w_bytes=common["act"])
+    return msg + (" Options: " + "; ".join(fixes) + "." if fixes else " Use GPUs with more memory.")
+
+
+# ------------------------------------------------------------------------------------------ table
+
+
+def _gib(n: int | float) -> str:
+    return f"{n / GiB:.2f} GiB"
+
+
+_ROWS = ("weights", "lora_params", "lora_grads", "optimizer_state", "activations", "logits_logps", "autocast_cache",
+         "kv_cache", "generation_transient", "reward_weights", "reward_scoring")
+
+
+def _render(ranks: list[RankEstimate], title: str | None = None) -> str:
+    """Component x rank table in GiB; ranks with identical figures share a column."""
+    groups: list[list[RankEstimate]] = []
+    for r in ranks:
+        if groups and groups[-1][0].components == r.components and groups[-1][0].phases == r.phases:
+            groups[-1].append(r)
+        else:
+            groups.append([r])
+    heads = [title or (f"rank {g[0].rank}" if len(g) == 1 else f"ranks {g[0].rank}-{g[-1].rank}") for g in groups]
+    rows: list[tuple[str, list[str]]] = []
+    for name in _ROWS:
+        rows.append((name, [f"{g[0].components.get(name, 0) / GiB:.2f}" for g in groups]))
+    for phase in ("generation", "scoring", "training"):
+        rows.append((f"= {phase}", [f"{g[0].phases[phase] / GiB:.2f}" for g in groups]))
+    rows.append(("peak", [f"{g[0].peak / GiB:.2f} ({g[0].peak_phase})" for g in groups]))
+    if any(g[0].capacity is not None for g in groups):
+        rows.append(("needed (+overhead)", [f"{g[0].required / GiB:.2f}" for g in groups]))
+        rows.append(("capacity", [f"{(g[0].capacity or 0) / GiB:.2f}" for g in groups]))
+        rows.append(("fits", ["yes" if g[0].fits else "NO" for g in groups]))
+    width0 = max(len(r[0]) for r in rows) + 2
+    widths = [max(len(h), *(len(r[1][i]) for r in rows)) + 2 for i, h in enumerate(heads)]
+    out = ["GiB".ljust(width0) + "".join(h.rjust(w) for h, w in zip(heads, widths, strict=True))]
+    for name, cells in rows:
+        out.append(name.ljust(width0) + "".join(c.rjust(w) for c, w in zip(cells, widths, strict=True)))
+    return "\n".join(out)
