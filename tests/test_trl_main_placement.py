@@ -10,19 +10,20 @@ from tests.launch import describe, run_ranks
 pytestmark = pytest.mark.distributed
 
 
-def test_main_placement_scores_on_rank0_and_returns_each_ranks_rows():
-    results = run_ranks("tests.dist_trl", "main", world_size=2, deadline=300)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_main_placement_scores_on_rank0_and_returns_each_ranks_rows(world_size):
+    results = run_ranks("tests.dist_trl", "main", world_size=world_size, deadline=400)
     assert all(r.returncode == 0 for r in results), describe(results)
-    r0, r1 = results
-    assert r0.data["holds_model"] and not r1.data["holds_model"]
-    assert r0.data["reward_func_names"] == r1.data["reward_func_names"] == ["recording_reward", "tiny-reward-model"]
+    r0, others = results[0], results[1:]
+    assert r0.data["holds_model"] and not any(r.data["holds_model"] for r in others)
     for r in results:
+        assert r.data["reward_func_names"] == ["recording_reward", "tiny-reward-model"]
         own = r.data["own"]
         assert [x[0] for x in own] == pytest.approx(r.data["expected_func"], abs=1e-6)
         assert [x[1] for x in own] == pytest.approx(r.data["expected_model"], abs=1e-5)
         assert r.data["model_untouched"]
-    assert r1.data["others_nan"]  # rank 1 holds no other rank's rewards
-    assert r0.data["train_calls"] and not r1.data["train_calls"]
+    assert all(r.data["others_nan"] for r in others)  # no rank holds another rank's rewards
+    assert r0.data["train_calls"] and not any(r.data["train_calls"] for r in others)
     assert max(len(c["rows"]) for c in r0.data["train_calls"]) <= 4  # reward_chunk_size=4
-    # both ranks' prompts were scored on rank 0: 8 completions per rank per step, 2 steps
-    assert sum(len(c["rows"]) for c in r0.data["train_calls"]) == 2 * 2 * 8
+    # every rank's prompts were scored on rank 0: 8 completions per rank per step, 2 steps
+    assert sum(len(c["rows"]) for c in r0.data["train_calls"]) == world_size * 2 * 8

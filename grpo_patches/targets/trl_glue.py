@@ -122,6 +122,9 @@ def score_batch(trainer: Any, batch: RewardBatch, group_ids: list[int], *, num_g
     """
     from transformers import Trainer
 
+    device = trainer.accelerator.device
+    if device.type == "cuda":  # this runs in the watchdog's thread, whose current device is cuda:0
+        torch.cuda.set_device(device)
     n = len(batch)
     rewards = torch.zeros(n, len(trainer.reward_funcs))
     extras: dict[str, list[Any]] = {}
