@@ -83,9 +83,8 @@ def main() -> int:
     class PrintRewards(TrainerCallback):
         def on_log(self, targs, state, control, logs=None, **kwargs):
             if state.is_world_process_zero and logs and "reward" in logs:
-                if state.global_step % 10 == 0 or state.global_step == 1:
-                    print(f"\nstep {state.global_step:3d}  reward mean {logs['reward']:.3f}  "
-                          f"(std {logs.get('reward_std', float('nan')):.3f})", flush=True)
+                print(f"\nstep {state.global_step:3d}  reward mean {logs['reward']:.3f}  "
+                      f"(std {logs.get('reward_std', float('nan')):.3f})", flush=True)
 
     config = grpo_args(
         output_dir=args.out, max_steps=args.steps, per_device_train_batch_size=16, num_generations=8,
