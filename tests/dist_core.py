@@ -34,7 +34,11 @@ def make_batch(rank: int) -> RewardBatch:
 
 def main() -> int:
     outdir, scenario, *args = sys.argv[1:]
-    dist.init_process_group("gloo")
+    if os.environ.get("GRPO_PATCHES_TEST_DEVICE") == "cuda":  # NCCL default group; the kit adds gloo
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("nccl", device_id=torch.device("cuda", int(os.environ["LOCAL_RANK"])))
+    else:
+        dist.init_process_group("gloo")
     rank = dist.get_rank()
     calls: list[dict] = []
     group = FailFastGroup(TIMEOUT + 4.0)

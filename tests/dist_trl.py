@@ -126,13 +126,15 @@ def scenario_main(data):
     tok = tiny_tokenizer()
     enc = tok(text=[x["prompt"] + c for x, c in zip(inputs, completions, strict=True)], return_tensors="pt", padding=True,
               padding_side="right", add_special_tokens=False)
-    with torch.inference_mode():  # the user's own CPU object; TRL never touched it on rank > 0
+    with torch.inference_mode():  # the user's own object; TRL never touched it on rank > 0
+        enc = enc.to(next(reward_model.parameters()).device)
         expected_model = reward_model(**enc).logits[:, 0].tolist()
     data["own"] = own.tolist()
     data["expected_func"] = target_share(completions, target=["a"] * n)
     data["expected_model"] = expected_model
     data["others_nan"] = bool(torch.isnan(torch.cat([rewards[: RANK * n], rewards[(RANK + 1) * n:]])).all()) if RANK else None
-    data["model_untouched"] = all(torch.equal(before[k], v) for k, v in reward_model.state_dict().items())
+    data["model_untouched"] = all(torch.equal(before[k], v.cpu()) for k, v in reward_model.state_dict().items())
+    data["model_device"] = str(next(reward_model.parameters()).device)
     CALLS.clear()
     trainer.train()
     data["train_calls"] = list(CALLS)

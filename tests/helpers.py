@@ -77,12 +77,17 @@ def lora(r: int = 4):
                       target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
 
 
+def on_gpu() -> bool:
+    """GRPO_PATCHES_TEST_DEVICE=cuda runs the multi-process tests on GPUs over NCCL (one rank per GPU)."""
+    return os.environ.get("GRPO_PATCHES_TEST_DEVICE", "cpu") == "cuda"
+
+
 def grpo_args(output_dir: str | None = None, **overrides: Any):
     from trl import GRPOConfig
 
     fields = dict(
         output_dir=output_dir or tempfile.mkdtemp(prefix="grpo_test_"),
-        use_cpu=True, bf16=False, report_to=[], save_strategy="no", logging_steps=1,
+        use_cpu=not on_gpu(), bf16=False, report_to=[], save_strategy="no", logging_steps=1,
         per_device_train_batch_size=4, num_generations=4, max_completion_length=6,
         max_steps=1, learning_rate=1e-3, seed=7, gradient_checkpointing=False,
         disable_tqdm=True, dataloader_num_workers=0, temperature=1.0,

@@ -20,8 +20,9 @@ def test_main_placement_scores_on_rank0_and_returns_each_ranks_rows(world_size):
         assert r.data["reward_func_names"] == ["recording_reward", "tiny-reward-model"]
         own = r.data["own"]
         assert [x[0] for x in own] == pytest.approx(r.data["expected_func"], abs=1e-6)
-        assert [x[1] for x in own] == pytest.approx(r.data["expected_model"], abs=1e-5)
+        assert [x[1] for x in own] == pytest.approx(r.data["expected_model"], abs=1e-4)
         assert r.data["model_untouched"]
+    assert all(r.data["model_device"] == "cpu" for r in others)  # never moved to another rank's device
     assert all(r.data["others_nan"] for r in others)  # no rank holds another rank's rewards
     assert r0.data["train_calls"] and not any(r.data["train_calls"] for r in others)
     assert max(len(c["rows"]) for c in r0.data["train_calls"]) <= 4  # reward_chunk_size=4
