@@ -17,6 +17,10 @@ What the patch does to each trainer built afterwards:
   back), with ``num_generations`` and ``group_ids`` given to reward functions that accept them;
 * turns an exception, a wrong-length or non-finite reward, or a reward call running past
   ``reward_timeout`` on any rank into an error on every rank, naming the function and the rank.
+
+Besides the patch: :mod:`grpo_patches.defaults` (pinned LoRA / GRPO settings as real PEFT / TRL
+config objects), :func:`preflight` (per-rank memory estimate on the meta device, before a step
+runs) and :class:`GRPOMonitorCallback` (the article's health metrics through the Trainer's loggers).
 """
 
 from __future__ import annotations
@@ -32,13 +36,32 @@ from .registry import NothingToPatch, UnsupportedVersionError, installed_trl_ver
 
 __all__ = [
     "CollectiveTimeoutError",
+    "GRPOMonitorCallback",
     "GroupShapeError",
     "RemoteFailureError",
     "UnsupportedVersionError",
     "apply",
+    "defaults",
     "is_applied",
+    "preflight",
     "revert",
 ]
+
+_LAZY = {  # heavier imports (transformers, peft), loaded on first use
+    "preflight": ("grpo_patches.preflight", "preflight"),
+    "GRPOMonitorCallback": ("grpo_patches.monitor", "GRPOMonitorCallback"),
+    "defaults": ("grpo_patches.defaults", None),
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        loaded = importlib.import_module(module)
+        return loaded if attr is None else getattr(loaded, attr)
+    raise AttributeError(f"module 'grpo_patches' has no attribute {name!r}")
 
 __version__ = "0.1.0"
 

@@ -28,6 +28,7 @@ The model-side half of the memory settings (input gradients for PEFT + checkpoin
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 import os
@@ -83,8 +84,8 @@ ARTICLE_TRAINING_SETTINGS: dict[str, Any] = {
     "entropy_coef": 0.01,
 }
 
-# Article names that are not GRPOConfig fields in any release, handled by hand below.
-_ALIASES = ("group_size", "max_length", "reward_baseline")
+# Article / kit names handled by hand below (max_prompt_length: a field only before TRL 0.28).
+_ALIASES = ("group_size", "max_length", "max_prompt_length", "reward_baseline")
 
 
 class DefaultsWarning(UserWarning):
@@ -105,10 +106,18 @@ def lora_config(**overrides: Any) -> Any:
     valid = sorted(f.name for f in dataclasses.fields(peft.LoraConfig) if f.init)
     unknown = sorted(set(overrides) - set(valid))
     if unknown:
-        raise TypeError(f"lora_config() got unknown setting(s) {unknown}; valid names: {', '.join(valid)}.")
+        raise TypeError(f"lora_config() got unknown setting(s) {_suggest(unknown, valid)}; valid names: {', '.join(valid)}.")
     settings = {**ARTICLE_LORA_SETTINGS, **overrides}
     _check_lora_values(settings)
     return peft.LoraConfig(**settings)
+
+
+def _suggest(unknown: list[str], valid: list[str]) -> str:
+    parts = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, valid, n=2)
+        parts.append(f"{name!r}" + (f" (did you mean {' or '.join(close)}?)" if close else ""))
+    return ", ".join(parts)
 
 
 def _check_lora_values(s: Mapping[str, Any]) -> None:
@@ -218,7 +227,7 @@ def grpo_config(output_dir: str, **overrides: Any) -> Any:
     valid = sorted(fields | set(_ALIASES))
     unknown = sorted(set(overrides) - set(valid))
     if unknown:
-        raise TypeError(f"grpo_config() got unknown setting(s) {unknown}; valid names: {', '.join(valid)}.")
+        raise TypeError(f"grpo_config() got unknown setting(s) {_suggest(unknown, valid)}; valid names: {', '.join(valid)}.")
     if "group_size" in overrides and "num_generations" in overrides:
         raise TypeError("grpo_config(): give group_size or num_generations (the same setting), not both.")
 
@@ -238,6 +247,17 @@ def grpo_config(output_dir: str, **overrides: Any) -> Any:
     )
     settings.update(ov)
     _check_training_values(settings)
+    adapted: list[str] = []
+    if "steps_per_generation" not in fields and "per_device_train_batch_size" not in ov:
+        # TRL < 0.19 generates per micro-batch, so the article's batch of 1 cannot hold a group there:
+        # the smallest batch that can is one group.
+        batch, group = settings["per_device_train_batch_size"], settings["num_generations"]
+        if batch % group:
+            settings["per_device_train_batch_size"] = group * math.ceil(batch / group)
+            adapted.append(
+                f"per_device_train_batch_size={settings['per_device_train_batch_size']} instead of {batch}: this "
+                f"release has no steps_per_generation, so each micro-batch must hold whole groups of {group}"
+            )
 
     lacking: list[str] = []
     kwargs: dict[str, Any] = {"output_dir": output_dir}
@@ -266,7 +286,15 @@ def grpo_config(output_dir: str, **overrides: Any) -> Any:
         # Non-reentrant works for PEFT without input grads; PEFT + ZeRO-3 needs reentrant (TRL PR #6356).
         reentrant = _zero_stage(ov.get("deepspeed")) == 3
         kwargs["gradient_checkpointing_kwargs"] = {"use_reentrant": reentrant}
+    if kwargs.get("gradient_checkpointing") and "ddp_find_unused_parameters" not in ov:
+        # A PeftModel is not a PreTrainedModel, so Trainer asks DDP to look for unused parameters, which
+        # fails with checkpointing ("mark a variable ready only once", TRL 0.23 / 0.26 + transformers 4.x,
+        # FACTS.md); every LoRA weight is used in every forward, so there are none to look for.
+        kwargs["ddp_find_unused_parameters"] = False
 
+    _check_settings_group_shape(settings, fields)
+    if adapted:
+        warnings.warn(f"grpo_patches: TRL {trl.__version__}: {'; '.join(adapted)}.", DefaultsWarning, stacklevel=2)
     if lacking:
         warnings.warn(
             f"grpo_patches: TRL {trl.__version__} has no field for: {'; '.join(lacking)}. Not applied.",
@@ -276,6 +304,24 @@ def grpo_config(output_dir: str, **overrides: Any) -> Any:
     config = trl.GRPOConfig(**kwargs)
     _check_config_group_shape(config)
     return config
+
+
+def _check_settings_group_shape(s: Mapping[str, Any], fields: set[str]) -> None:
+    """Whole groups per rank (I1), before TRL sees the settings: TRL checks only the global batch, and
+    its message does not say which settings would work. World size from ``WORLD_SIZE`` (set by
+    ``accelerate launch`` / ``torchrun``)."""
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    batch = s["per_device_train_batch_size"]
+    if "steps_per_generation" not in fields:
+        steps = 1  # TRL < 0.19: each micro-batch generates its own groups
+    elif s.get("steps_per_generation"):
+        steps = s["steps_per_generation"]
+    elif s.get("generation_batch_size"):
+        steps = max(1, s["generation_batch_size"] // (batch * world))
+    else:
+        steps = s["gradient_accumulation_steps"]
+    check_group_shape(per_device_batch_size=batch, steps_per_generation=steps,
+                      num_generations=s["num_generations"], world_size=world, mode="train")
 
 
 def _check_config_group_shape(config: Any) -> None:

@@ -21,8 +21,9 @@ per_device_train_batch_size, S = steps_per_generation, P / C = prompt / completi
   an act copy of them (N_c * hidden * (4 + 2 * act)). Older releases ("full"): the [B, C + 1, V]
   logits, the temperature-scaled copy and the per-row log-softmax saved for backward: 3 * B * (C + 1)
   * V * act.
-- ``autocast_cache``: fp32 weights under bf16/fp16 autocast get a 16-bit copy per matmul weight
-  while the forward/backward runs: (frozen params - embeddings) * act.
+- ``autocast_cache``: fp32 frozen weights under bf16/fp16 autocast are cast per matmul and autograd
+  keeps the copy for the input gradient: (frozen params - embeddings - untied LM head) * act, / L with
+  gradient checkpointing (one layer's copies at a time).
 - ``kv_cache``: 2 * L * kv_heads * head_dim * (P + C) * N_gen * act, plus one layer's worth for the
   ``torch.cat`` growth of the dynamic cache.
 - ``generation_transient``: the prefill's widest layer temporaries, N_gen * P * (q + 2 kv + 2 hidden
@@ -52,7 +53,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import math
 import os
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
@@ -144,6 +144,7 @@ class ParamCount:
     trainable: int
     embedding: int
     reference_trainable: int  # what the pinned LoRA would train on this architecture
+    output_embedding: int = 0  # an untied LM head's parameters (0 when tied to the input embedding)
 
     @property
     def frozen(self) -> int:
@@ -338,26 +339,50 @@ def _arch(cfg: Any) -> _Arch:
 # ----------------------------------------------------------------------------- parameter count
 
 
-def _reference_lora_params(model: torch.nn.Module) -> int:
-    """Parameters the pinned LoRA adds: r * (in + out) for each targeted Linear."""
-    from grpo_patches.defaults import ARTICLE_LORA_SETTINGS
-
-    r = ARTICLE_LORA_SETTINGS["r"]
-    targets = set(ARTICLE_LORA_SETTINGS["target_modules"])
+def _lora_params(model: torch.nn.Module, r: int, targets: Iterable[str]) -> int:
+    """Parameters a plain LoRA adds: r * (in + out) for each Linear whose last name part is targeted."""
+    names = set(targets)
     return sum(
         r * (m.in_features + m.out_features)
         for name, m in model.named_modules()
-        if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in targets
+        if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in names
     )
 
 
-_COUNT_CACHE: dict[tuple[str, str], ParamCount] = {}
+def _reference_lora_params(model: torch.nn.Module) -> int:
+    """Parameters the pinned LoRA adds on this architecture."""
+    from grpo_patches.defaults import ARTICLE_LORA_SETTINGS
+
+    return _lora_params(model, ARTICLE_LORA_SETTINGS["r"], ARTICLE_LORA_SETTINGS["target_modules"])
 
 
-def count_parameters(model_config: Any, lora_config: Any = None) -> ParamCount:
+def _is_plain_lora(lora: Any) -> bool:
+    """A LoraConfig whose parameter count is r * (in + out) per targeted Linear, and nothing else.
+
+    For these the count is done by hand (a 70B model in a tenth of a second); anything else
+    (regex / "all-linear" targets, modules_to_save, DoRA, rank patterns, ...) goes through PEFT.
+    """
+    targets = getattr(lora, "target_modules", None)
+    if type(lora).__name__ != "LoraConfig" or not targets or isinstance(targets, str):
+        return False
+    empty = ("modules_to_save", "rank_pattern", "alpha_pattern", "layers_to_transform", "layer_replication",
+             "trainable_token_indices", "target_parameters", "exclude_modules")
+    return (
+        all(not getattr(lora, k, None) for k in empty)
+        and getattr(lora, "bias", "none") == "none"
+        and not getattr(lora, "use_dora", False)
+        and not getattr(lora, "lora_bias", False)
+    )
+
+
+_COUNT_CACHE: dict[tuple[str, str, bool], ParamCount] = {}
+
+
+def count_parameters(model_config: Any, lora_config: Any = None, *, peft_always: bool = False) -> ParamCount:
     """Count the policy's parameters with ``lora_config`` (pinned LoRA when None), on the meta device.
 
-    Results are cached per (config, LoRA config), so repeated preflights of one 70B config are free.
+    Plain LoRA configs are counted by hand from the meta model's Linear shapes; others (and all, with
+    ``peft_always``) through ``peft.get_peft_model`` on the meta model. Cached per (config, LoRA).
     """
     import peft
     import transformers
@@ -366,17 +391,24 @@ def count_parameters(model_config: Any, lora_config: Any = None) -> ParamCount:
 
     cfg = load_model_config(model_config)
     lora = default_lora() if lora_config is None else lora_config
-    key = (cfg.to_json_string(use_diff=False), repr(lora))
+    key = (cfg.to_json_string(use_diff=False), repr(lora), peft_always)
     if key not in _COUNT_CACHE:
         with torch.device("meta"):
             model = transformers.AutoModelForCausalLM.from_config(cfg)
         embedding = sum(p.numel() for p in model.get_input_embeddings().parameters())
+        head = model.get_output_embeddings()
+        tied = head is None or head.weight is model.get_input_embeddings().weight
+        output_embedding = 0 if tied else head.weight.numel()
         reference = _reference_lora_params(model)
-        peft_model = peft.get_peft_model(model, lora)
-        total = sum(p.numel() for p in peft_model.parameters())
-        trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+        if _is_plain_lora(lora) and not peft_always:
+            trainable = _lora_params(model, lora.r, lora.target_modules)
+            total = sum(p.numel() for p in model.parameters()) + trainable
+        else:
+            peft_model = peft.get_peft_model(model, lora)
+            total = sum(p.numel() for p in peft_model.parameters())
+            trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
         _COUNT_CACHE[key] = ParamCount(total=total, trainable=trainable, embedding=embedding,
-                                       reference_trainable=reference)
+                                       reference_trainable=reference, output_embedding=output_embedding)
     return _COUNT_CACHE[key]
 
 
@@ -403,13 +435,18 @@ def _count_rm_cached(config_json: str, model_type: str) -> int:
 # ------------------------------------------------------------------------------------- estimate
 
 
-def _activations(arch: _Arch, tokens: int, act: int, dropout: bool, checkpointing: bool) -> int:
+def _layer_bytes_per_token(arch: _Arch, act: int, dropout: bool) -> float:
+    """Bytes autograd saves per token in one decoder layer with the LoRA adapter (see ``_ACT_COEF``)."""
     coef = _ACT_COEF[(2 if act <= 2 else 4, dropout)]
     scale = act / (2 if act <= 2 else 4)
-    per_layer = scale * (
+    return scale * (
         coef["hidden"] * arch.hidden + coef["intermediate"] * arch.intermediate + coef["q"] * arch.q
         + coef["kv"] * arch.kv + coef["heads"] * arch.heads
     )
+
+
+def _activations(arch: _Arch, tokens: int, act: int, dropout: bool, checkpointing: bool) -> int:
+    per_layer = _layer_bytes_per_token(arch, act, dropout)
     workspace = tokens * (3 * arch.intermediate + 2 * arch.hidden) * act
     if checkpointing:
         saved = arch.layers * tokens * arch.hidden * act + tokens * per_layer
@@ -428,6 +465,18 @@ def _logits(arch: _Arch, batch: int, completion: int, act: int, mode: str) -> in
         tile = min(n, _FUSED_TOKEN_CHUNK) * min(arch.vocab, _FUSED_VOCAB_CHUNK) * act
         return tile + n * arch.hidden * (4 + 2 * act) + n * 8 * 4
     return 3 * batch * (completion + 1) * arch.vocab * act
+
+
+def _autocast_copies(params: ParamCount, arch: _Arch, w_bytes: int, act: int, checkpointing: bool) -> int:
+    """16-bit copies of fp32 frozen weights that autograd keeps for backward under autocast.
+
+    Autocast caches casts of trainable leaves only; a frozen weight is cast per matmul and the copy is
+    saved for the input gradient: every layer's copy without checkpointing, one layer's with it.
+    """
+    if w_bytes <= act:
+        return 0
+    matmul_weights = params.frozen - params.embedding - params.output_embedding  # TRL's fused head saves fp32
+    return matmul_weights * act if not checkpointing else matmul_weights * act // max(arch.layers, 1)
 
 
 def _detect_logits_mode() -> str:
@@ -455,6 +504,9 @@ def _reward_specs(reward_models: Iterable[Any]) -> tuple[list[RewardModelSpec], 
     for item in reward_models:
         if isinstance(item, RewardModelSpec):
             specs.append(item)
+        elif isinstance(item, torch.nn.Module) and hasattr(item, "config"):  # a loaded model: its config, dtype
+            dtype = next((p.dtype for p in item.parameters()), torch.bfloat16)
+            specs.append(RewardModelSpec(config=item.config, dtype=_dtype_name(dtype)))
         elif callable(item) and not isinstance(item, (str, os.PathLike, Mapping)) and not hasattr(item, "to_dict"):
             functions += 1  # a rule-based reward function: no GPU memory
         else:
@@ -496,7 +548,7 @@ def _estimate(
         "optimizer_state": int(_optimizer_bytes_per_param(optim) * trainable),
         "activations": _activations(arch, tokens, act, dropout, checkpointing),
         "logits_logps": _logits(arch, batch, completion, act, logits_mode),
-        "autocast_cache": (params.frozen - params.embedding) * act if w_bytes > act else 0,
+        "autocast_cache": _autocast_copies(params, arch, w_bytes, act, checkpointing),
         "kv_cache": kv_layer * arch.layers + kv_layer,
         "generation_transient": _prefill_transient(arch, n_gen * prompt, act) + n_gen * arch.vocab * 4 * 3,
     }
@@ -583,7 +635,10 @@ def preflight(
     g = grpo_config
     batch = int(_setting(g, "per_device_train_batch_size", art["per_device_train_batch_size"]))
     accum = int(_setting(g, "gradient_accumulation_steps", art["gradient_accumulation_steps"]))
-    steps = int(_setting(g, "steps_per_generation", accum))
+    if g is not None and not isinstance(g, Mapping) and not hasattr(g, "steps_per_generation"):
+        steps = 1  # a TRL < 0.19 config: every micro-batch generates its own groups
+    else:
+        steps = int(_setting(g, "steps_per_generation", accum))
     num_gen = int(_setting(g, "num_generations", art["group_size"]))
     completion = int(_setting(g, "max_completion_length", art["max_length"] // 2))
     prompt = int(prompt_length if prompt_length is not None else _setting(g, "max_prompt_length", art["max_length"] // 2))
@@ -596,8 +651,8 @@ def preflight(
         dtype = init_kwargs.get("dtype") or init_kwargs.get("torch_dtype")
         if dtype in (None, "auto"):
             dtype = compute_dtype
-    optim = str(_setting(g, "optim", art["optim"]))
-    optim = getattr(optim, "value", optim)
+    optim = _setting(g, "optim", art["optim"])
+    optim = str(getattr(optim, "value", optim))  # OptimizerNames is a str enum
     mode = _detect_logits_mode() if logits_mode == "auto" else logits_mode
 
     from grpo_patches.defaults import lora_config as default_lora
@@ -743,6 +798,13 @@ def _no_fit_message(arch: _Arch, params: ParamCount, over: list[RankEstimate], c
         try_fix("reward_placement='main'", placement="main")
     if common["w_bytes"] > common["act"]:
         try_fix("load the policy in bf16 (model_init_kwargs={'dtype': 'bfloat16'})", w_bytes=common["act"])
+    if worst.components["weights"] + worst.overhead > cap:
+        n = common["world_size"]
+        fixes.append(
+            f"the frozen weights alone ({_gib(worst.components['weights'])}) exceed one GPU: shard them across the "
+            f"ranks (DeepSpeed ZeRO-3 / FSDP, ~{_gib(worst.components['weights'] / n)} each at world_size={n}, not "
+            f"modelled here) or load them in 4-bit (~{_gib(params.frozen * 0.56)})"
+        )
     return msg + (" Options: " + "; ".join(fixes) + "." if fixes else " Use GPUs with more memory.")
 
 

@@ -162,3 +162,46 @@ def test_without_a_trainer_reward_std_is_skipped():
 def test_rss_helpers_report_bytes():
     assert mon._rss_bytes() is None or mon._rss_bytes() > 10 * 2**20
     assert mon._peak_rss_bytes() > 10 * 2**20
+
+
+# ------------------------------------------------------------------------------------ two ranks
+
+
+@pytest.mark.distributed
+def test_each_rank_figures_reach_rank_zero_logs():
+    from tests.launch import describe, run_ranks
+
+    results = run_ranks("tests.test_monitor", world_size=2, deadline=120)
+    assert all(r.returncode == 0 for r in results), describe(results)
+    for r in results:  # every rank's logs carry every rank's figures; rank 0's are what report_to writes
+        assert {"monitor/rank0/cpu_rss_gb", "monitor/rank1/cpu_rss_gb"} <= set(r.data["keys"]), describe(results)
+    assert len(set(results[0].data["pids"])) == 2  # two real processes
+
+
+def _rank_worker(outdir: str) -> int:
+    """One rank of the test above: the callback's step-end gather and its log, over gloo."""
+    import json
+    import os
+    from pathlib import Path
+
+    torch.distributed.init_process_group("gloo")
+    rank = torch.distributed.get_rank()
+    callback = GRPOMonitorCallback()
+    state = types.SimpleNamespace(global_step=1, is_world_process_zero=rank == 0, log_history=[])
+    callback.on_step_end(None, state, None)
+    logs: dict = {"loss": 0.0}
+    callback.on_log(None, state, None, logs=logs)
+    pids: list = [None, None]
+    torch.distributed.all_gather_object(pids, os.getpid())
+    Path(outdir, f"rank{rank}.json").write_text(json.dumps({"keys": sorted(logs), "pids": pids}))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    import os
+    import sys
+
+    sys.stdout.flush()
+    os._exit(_rank_worker(sys.argv[1]))  # FACTS.md: gloo at exit can hang or abort otherwise

@@ -1,0 +1,869 @@
+"""Stock vs patched TRL GRPOTrainer: step time, phase times and peak memory per rank, in one invocation.
+
+One process per GPU (``accelerate launch`` / ``torchrun``); inside each process the variants run
+alternately (stock, patched-local, patched-main, [stock, ...] with ``--rounds``), each with a fresh
+trainer built from the same random weights, so drift hits every variant alike::
+
+    accelerate launch --num_processes 2 --multi_gpu --mixed_precision bf16 benchmarks/bench_grpo.py \\
+        --policy 0.5b --grad-ckpt on --steps 5 --warmup 1
+
+    # CPU smoke test (gloo):
+    python -m torch.distributed.run --nproc_per_node 2 benchmarks/bench_grpo.py --policy tiny \\
+        --steps 2 --warmup 1 --out /tmp/benchout
+
+    # largest per-device batch under a 24 GB cap, each probe a fresh launch of NPROC ranks:
+    python benchmarks/bench_grpo.py --find-max-batch --nproc 2 --mem-cap-gb 24 --policy 0.5b
+
+Policy: a Qwen2.5-0.5B- or 1.5B-like Qwen2 with random weights (no hub) + LoRA r=16, alpha=32,
+dropout 0.05 on all seven projections. Rewards: a rule reward and a 0.5B-class reward model
+(Qwen2ForSequenceClassification, num_labels=1), built inside each variant and given to the trainer
+as an ``nn.Module`` (under ``reward_placement="main"`` the patch keeps it off the other ranks).
+
+Per (variant, rank) it records every timed step (CUDA-synchronized at step begin/end) and its
+phases: ``generate`` (``_generate``), ``rewards`` (``_calculate_rewards``), ``score_other`` (rest
+of ``_generate_and_score_completions``: log-probs, advantages), ``loss_backward``
+(``training_step`` minus ``_prepare_inputs``) and ``other`` (optimizer step, callbacks); completion
+tokens per second; peak allocated / reserved memory. TRL 1.16 sends its own ``profiling/...``
+timings only to wandb / mlflow / trackio, so the phases are timed here by wrapping the trainer
+instance's methods.
+
+Output under ``--out`` (default ``benchmarks/results/<date>-<gpu>/``): ``results.jsonl`` (one
+line per variant and rank, appended), ``results.md`` (tables, ratios patched/stock, target checks)
+and ``step_time.png``, ``phases.png``, ``memory.png``, all regenerated from every line of
+``results.jsonl`` (and ``maxbatch.jsonl``) on each run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime as _dt
+import gc
+import json
+import os
+import random
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import weakref
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+VARIANTS = {"stock": None, "patched-local": "local", "patched-main": "main"}
+SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>"]  # ids 0..3
+PROMPT_WORDS = 32
+GiB = 2**30
+
+# Qwen2.5-like shapes (public config values); weights are random.
+POLICIES: dict[str, dict[str, Any]] = {
+    "0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                 num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True),
+    "1.5b": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                 num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True),
+    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
+}
+REWARD_MODEL = {"0.5b": "0.5b", "1.5b": "0.5b", "tiny": "tiny"}  # reward model shape per policy
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def log(msg: str, rank: int = 0) -> None:
+    if rank == 0:
+        print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# --------------------------------------------------------------------------------------------- setup
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--policy", choices=list(POLICIES), default="0.5b")
+    p.add_argument("--variants", default="stock,patched-local,patched-main",
+                   help="comma-separated, run in this order each round: " + ",".join(VARIANTS))
+    p.add_argument("--grad-ckpt", choices=["on", "off"], default="on")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per variant (after --warmup)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed first steps per variant")
+    p.add_argument("--rounds", type=int, default=1, help="repeat the variant cycle; timings pooled")
+    p.add_argument("--per-device-batch", type=int, default=8, help="completions per device per step")
+    p.add_argument("--num-generations", type=int, default=8)
+    p.add_argument("--completion-len", type=int, default=256)
+    p.add_argument("--reward-chunk-size", type=int, default=None, help="patched variants' reward_chunk_size")
+    p.add_argument("--mem-cap-gb", type=float, default=None,
+                   help="cap each GPU with torch.cuda.set_per_process_memory_fraction(cap / total)")
+    p.add_argument("--find-max-batch", action="store_true",
+                   help="driver: double then bisect the per-device batch per variant, each probe a fresh "
+                        "launch of --nproc ranks (run this without a launcher)")
+    p.add_argument("--nproc", type=int, default=1, help="ranks per probe with --find-max-batch")
+    p.add_argument("--max-batch-limit", type=int, default=256, help="largest per-device batch probed")
+    p.add_argument("--probe-timeout", type=float, default=900.0, help="seconds per probe launch")
+    p.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)  # a probe launched by the driver
+    p.add_argument("--report-only", action="store_true",
+                   help="merge per-rank parts left by an interrupted run into results.jsonl and rewrite "
+                        "results.md and the plots (no training)")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--out", default=None, help="default: benchmarks/results/<date>-<gpu>/")
+    p.add_argument("--tag", default="", help="free text stored with every record")
+    args = p.parse_args(argv)
+    args.variant_list = [v.strip() for v in args.variants.split(",") if v.strip()]
+    bad = [v for v in args.variant_list if v not in VARIANTS]
+    if bad:
+        p.error(f"unknown variants {bad}; choose from {list(VARIANTS)}")
+    if args.per_device_batch % args.num_generations:
+        p.error(f"--per-device-batch {args.per_device_batch} must be a multiple of --num-generations "
+                f"{args.num_generations} (the patched trainer refuses group-splitting shapes)")
+    return args
+
+
+def gpu_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def default_out_dir() -> Path:
+    import torch
+
+    name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "gpu"
+    return ROOT / "benchmarks" / "results" / f"{_dt.date.today().isoformat()}-{slug}"
+
+
+def build_tokenizer(vocab_size: int):
+    """A word-level tokenizer over ``vocab_size`` ids: ``t<id>`` words, so every id decodes to one word
+    and re-encodes to one token (the reward model sees as many tokens as were generated)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL)}
+    vocab.update({f"t{i}": i for i in range(len(SPECIAL), vocab_size)})
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>", unk_token="<unk>",
+        model_input_names=["input_ids", "attention_mask"],
+    )
+
+
+def model_config(policy: str, **extra: Any):
+    from transformers import Qwen2Config
+
+    return Qwen2Config(**POLICIES[policy], max_position_embeddings=32768, rope_theta=1_000_000.0,
+                       rms_norm_eps=1e-6, pad_token_id=0, eos_token_id=1, bos_token_id=2, **extra)
+
+
+def build_templates(args, device, dtype):
+    """Policy and reward model with random weights, built once per process under a fixed seed (on the
+    GPU for speed) and kept on the CPU; each variant gets deep copies, so every variant trains the
+    same weights and the templates hold no GPU memory."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    torch.manual_seed(args.seed)
+    with torch.device(device):
+        policy = AutoModelForCausalLM.from_config(model_config(args.policy), dtype=dtype)
+    policy = policy.to("cpu")
+    policy.generation_config.pad_token_id = 0
+    policy.generation_config.eos_token_id = 1
+    policy.generation_config.bos_token_id = 2
+    torch.manual_seed(args.seed + 1)
+    rm_config = model_config(REWARD_MODEL[args.policy], num_labels=1)
+    rm_config._name_or_path = f"reward-model-{REWARD_MODEL[args.policy]}"
+    with torch.device(device):
+        reward_model = AutoModelForSequenceClassification.from_config(rm_config, dtype=dtype)
+    reward_model = reward_model.to("cpu").eval()
+    return policy, reward_model
+
+
+def build_dataset(args, world_size: int, vocab_size: int):
+    from datasets import Dataset
+
+    prompts_per_step = max(1, args.per_device_batch * world_size // args.num_generations)
+    n_rows = max(64, 2 * prompts_per_step * (args.warmup + args.steps) * args.rounds)
+    rng = random.Random(args.seed)
+    rows = [{"prompt": " ".join(f"t{rng.randrange(len(SPECIAL), vocab_size)}" for _ in range(PROMPT_WORDS))}
+            for _ in range(n_rows)]
+    return Dataset.from_list(rows)
+
+
+def rule_reward(completions, **kwargs):
+    """Rule reward: share of even token ids among the completion's words (cheap, deterministic)."""
+    out = []
+    for text in completions:
+        words = text.split()
+        out.append(sum(w[1:].isdigit() and int(w[1:]) % 2 == 0 for w in words) / max(len(words), 1))
+    return out
+
+
+# ----------------------------------------------------------------------------------------- timing
+
+
+class StepTimer:
+    """TrainerCallback + method wrappers: per-step wall time and phase times, CUDA-synchronized."""
+
+    def __init__(self, cuda: bool, rank: int, label: str, total_steps: int):
+        import torch
+
+        self.sync = torch.cuda.synchronize if cuda else (lambda: None)
+        self.rank, self.label, self.total = rank, label, total_steps
+        self.steps: list[dict[str, float]] = []
+        self.cur: dict[str, float] | None = None
+        self.last_begin: float | None = None
+
+    def callback(self):
+        from transformers import TrainerCallback
+
+        timer = self
+
+        class _Cb(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kwargs):
+                timer.sync()
+                now = time.perf_counter()
+                if timer.steps and timer.last_begin is not None:
+                    timer.steps[-1]["cycle_s"] = now - timer.last_begin  # begin to next begin (with logging)
+                timer.last_begin = now
+                timer.cur = {"t0": now}
+
+            def on_step_end(self, args, state, control, **kwargs):
+                timer.sync()
+                cur = timer.cur
+                if cur is None:
+                    return
+                cur["step_s"] = time.perf_counter() - cur.pop("t0")
+                timer.steps.append(cur)
+                timer.cur = None
+                d = derive(cur)
+                log(f"  {timer.label} step {len(timer.steps)}/{timer.total}: {cur['step_s']:.2f} s "
+                    f"(generate {d['generate_s']:.2f}, rewards {d['rewards_s']:.3f}, "
+                    f"loss/backward {d['loss_backward_s']:.2f}; {int(cur.get('completion_tokens', 0))} tokens)",
+                    timer.rank)
+
+        return _Cb()
+
+    def wrap(self, trainer, name: str, count_tokens: bool = False) -> None:
+        original = getattr(trainer, name)  # bound (possibly the patch's wrapt wrapper)
+        timer = self
+
+        def timed(*a, **kw):
+            timer.sync()
+            t0 = time.perf_counter()
+            out = original(*a, **kw)
+            timer.sync()
+            if timer.cur is not None:
+                timer.cur[name] = timer.cur.get(name, 0.0) + time.perf_counter() - t0
+                if count_tokens:  # _generate returns (prompt_ids, completion_ids, ...), lists of id lists
+                    timer.cur["completion_tokens"] = timer.cur.get("completion_tokens", 0) + sum(
+                        len(ids) for ids in out[1])
+            return out
+
+        setattr(trainer, name, timed)  # instance attribute: this trainer only
+
+    def instrument(self, trainer) -> None:
+        self.wrap(trainer, "_generate", count_tokens=True)
+        self.wrap(trainer, "_calculate_rewards")
+        self.wrap(trainer, "_generate_and_score_completions")
+        self.wrap(trainer, "_prepare_inputs")
+        self.wrap(trainer, "training_step")
+
+
+def derive(step: dict[str, float]) -> dict[str, float]:
+    gen = step.get("_generate", 0.0)
+    rew = step.get("_calculate_rewards", 0.0)
+    gas = step.get("_generate_and_score_completions", 0.0)
+    prep = step.get("_prepare_inputs", 0.0)
+    ts = step.get("training_step", 0.0)
+    total = step.get("step_s", 0.0)
+    return {
+        "step_s": total,
+        "cycle_s": step.get("cycle_s"),  # step begin to next step begin (incl. logging)
+        "generate_s": gen,
+        "rewards_s": rew,
+        "score_other_s": max(gas - gen - rew, 0.0),
+        "prepare_other_s": max(prep - gas, 0.0),
+        "loss_backward_s": max(ts - prep, 0.0),
+        "other_s": max(total - ts, 0.0),
+        "completion_tokens": step.get("completion_tokens", 0.0),
+        "tokens_per_s": step.get("completion_tokens", 0.0) / total if total else 0.0,
+    }
+
+
+def summarize(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {}
+    s = sorted(values)
+    q = statistics.quantiles(s, n=4, method="inclusive") if len(s) > 1 else [s[0]] * 3
+    return {"median": statistics.median(s), "mean": statistics.fmean(s), "min": s[0], "max": s[-1],
+            "p25": q[0], "p75": q[2], "stdev": statistics.stdev(s) if len(s) > 1 else 0.0}
+
+
+# ---------------------------------------------------------------------------------------- variants
+
+
+def run_variant(args, variant: str, round_idx: int, ctx: dict[str, Any]) -> dict[str, Any]:
+    import torch
+    from peft import LoraConfig
+    from transformers import set_seed
+    from transformers.trainer_callback import PrinterCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    import grpo_patches
+
+    rank, world, cuda = ctx["rank"], ctx["world_size"], ctx["cuda"]
+    test_oom = os.environ.get("BENCH_TEST_OOM_ABOVE")  # CPU test hook for --find-max-batch
+    if test_oom and args.per_device_batch > int(test_oom):
+        raise RuntimeError(f"BENCH_TEST_OOM_ABOVE={test_oom}: simulated out of memory")
+    free_memory(cuda)
+    base_alloc = torch.cuda.memory_allocated() if cuda else 0
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    placement = VARIANTS[variant]
+    if placement is None:
+        grpo_patches.revert()
+    else:
+        grpo_patches.apply(reward_placement=placement, reward_chunk_size=args.reward_chunk_size)
+    set_seed(args.seed)
+    policy = copy.deepcopy(ctx["policy_template"])
+    reward_model = copy.deepcopy(ctx["rm_template"])
+    total_steps = args.warmup + args.steps
+    config = GRPOConfig(
+        output_dir=ctx["tmpdir"], per_device_train_batch_size=args.per_device_batch,
+        num_generations=args.num_generations, max_completion_length=args.completion_len,
+        max_steps=total_steps, gradient_checkpointing=args.grad_ckpt == "on",
+        bf16=cuda, use_cpu=not cuda, report_to=[], save_strategy="no", logging_steps=1,
+        disable_tqdm=True, seed=args.seed, dataloader_num_workers=0,
+    )
+    lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, target_modules=LORA_TARGETS, task_type="CAUSAL_LM")
+    label = f"{variant}#{round_idx}"
+    timer = StepTimer(cuda, rank, label, total_steps)
+    t_build = time.perf_counter()
+    trainer = GRPOTrainer(
+        model=policy, reward_funcs=[rule_reward, reward_model], args=config, train_dataset=ctx["dataset"],
+        processing_class=ctx["tokenizer"], reward_processing_classes=[None, ctx["tokenizer"]],
+        peft_config=lora, callbacks=[timer.callback()],
+    )
+    del policy, reward_model  # the trainer holds what it uses
+    trainer.remove_callback(PrinterCallback)  # no dump of every log dict
+    rm_local = any(isinstance(f, torch.nn.Module) for f in trainer.reward_funcs)
+    timer.instrument(trainer)
+    build_s = time.perf_counter() - t_build
+    t_train = time.perf_counter()
+    trainer.train()
+    train_s = time.perf_counter() - t_train
+    mem: dict[str, Any] = {}
+    if cuda:
+        torch.cuda.synchronize()
+        mem = {"peak_allocated_bytes": torch.cuda.max_memory_allocated(),
+               "peak_reserved_bytes": torch.cuda.max_memory_reserved(),
+               "base_allocated_bytes": base_alloc}
+    trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+    trainer.accelerator.free_memory()  # drops accelerate's references to the model and optimizer
+    alive = weakref.ref(trainer)
+    del trainer
+    free_memory(cuda)
+    mem["trainer_freed"] = alive() is None  # else the next variant's memory starts from this one's
+    if cuda:
+        mem["after_allocated_bytes"] = torch.cuda.memory_allocated()
+
+    timed = timer.steps[args.warmup:]
+    derived = [derive(s) for s in timed]
+    summary = ({key: summarize([d[key] for d in derived if d[key] is not None]) for key in derived[0]}
+               if derived else {})
+    return {
+        "variant": variant, "round": round_idx, "rank": rank, "world_size": world,
+        "reward_placement": placement, "reward_model_on_this_rank": rm_local,
+        "build_s": build_s, "train_s": train_s, "steps_recorded": len(timer.steps),
+        "warmup_steps": [derive(s) for s in timer.steps[: args.warmup]],
+        "timed_steps": derived, "summary": summary, "trainable_params": trainable, **mem,
+    }
+
+
+def free_memory(cuda: bool) -> None:
+    import torch
+
+    gc.collect()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def worker(args) -> int:
+    """One rank: run every variant (alternating), write its records, rank 0 writes the reports."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    for name in ("transformers", "trl", "accelerate", "datasets", "peft"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    import torch
+
+    import grpo_patches  # noqa: F401  (fail early if the kit is not importable)
+
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    cuda = gpu_available()
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    mem_total = None
+    if cuda:
+        torch.cuda.set_device(device)
+        mem_total = torch.cuda.get_device_properties(device).total_memory
+        if args.mem_cap_gb:
+            fraction = min(1.0, args.mem_cap_gb * GiB / mem_total)  # "24 GB" read as 24 GiB (a 24 GB card)
+            torch.cuda.set_per_process_memory_fraction(fraction, device)
+    out = Path(args.out) if args.out else default_out_dir()
+    parts = out / "parts"
+    parts.mkdir(parents=True, exist_ok=True)
+    run_id = os.environ.get("BENCH_RUN_ID") or f"{time.strftime('%Y%m%dT%H%M%S')}-w{world}"
+
+    log(f"policy {args.policy}, {world} rank(s) on {torch.cuda.get_device_name(device) if cuda else 'CPU'}, "
+        f"variants {args.variant_list} x {args.rounds} round(s), {args.warmup}+{args.steps} steps, "
+        f"batch {args.per_device_batch}/device, {args.completion_len} tokens, grad ckpt {args.grad_ckpt}, "
+        f"mem cap {args.mem_cap_gb} GB -> {out}", rank)
+    t0 = time.perf_counter()
+    policy_template, rm_template = build_templates(args, device, dtype)
+    rm_bytes = sum(p.numel() * p.element_size() for p in rm_template.parameters())
+    ctx = {
+        "rank": rank, "world_size": world, "cuda": cuda,
+        "policy_template": policy_template, "rm_template": rm_template,
+        "tokenizer": build_tokenizer(POLICIES[args.policy]["vocab_size"]),
+        "dataset": build_dataset(args, world, POLICIES[args.policy]["vocab_size"]),
+        "tmpdir": tempfile.mkdtemp(prefix="bench_grpo_"),
+    }
+    log(f"templates built in {time.perf_counter() - t0:.1f} s: policy "
+        f"{sum(p.numel() for p in policy_template.parameters()) / 1e6:.1f} M params, reward model "
+        f"{rm_bytes / GiB:.3f} GiB", rank)
+    meta = {
+        "run_id": run_id, "tag": args.tag, "policy": args.policy, "grad_ckpt": args.grad_ckpt,
+        "per_device_batch": args.per_device_batch, "num_generations": args.num_generations,
+        "completion_len": args.completion_len, "steps": args.steps, "warmup": args.warmup,
+        "rounds": args.rounds, "mem_cap_gb": args.mem_cap_gb, "reward_chunk_size": args.reward_chunk_size,
+        "reward_model_param_bytes": rm_bytes,
+        "policy_params": sum(p.numel() for p in policy_template.parameters()),
+        "device": torch.cuda.get_device_name(device) if cuda else "cpu", "device_total_bytes": mem_total,
+        "versions": versions(), "git": git_commit(),
+        "date": _dt.datetime.now().isoformat(timespec="seconds"),
+    }
+    part_file = parts / f"{run_id}.rank{rank}.jsonl"
+    for r in range(args.rounds):
+        for variant in args.variant_list:
+            log(f"{variant} (round {r + 1}/{args.rounds}): building a fresh trainer", rank)
+            rec = run_variant(args, variant, r, ctx)
+            rec.update(meta)
+            with open(part_file, "a") as fh:
+                fh.write(json.dumps(rec) + "\n")
+            s = rec["summary"].get("step_s", {})
+            peak = rec.get("peak_allocated_bytes")
+            log(f"{variant} done: median step {s.get('median', float('nan')):.2f} s, peak allocated "
+                f"{(peak or 0) / GiB:.2f} GiB (rank 0), build {rec['build_s']:.1f} s, train "
+                f"{rec['train_s']:.1f} s; elapsed {time.perf_counter() - t0:.0f} s", rank)
+            for r_ in range(world):  # every rank's memory, in rank order
+                barrier(world)
+                if r_ == rank and cuda:
+                    print(f"[bench] rank {rank} {variant}: peak allocated {rec['peak_allocated_bytes'] / GiB:.2f} GiB,"
+                          f" reserved {rec['peak_reserved_bytes'] / GiB:.2f} GiB, reward model on rank: "
+                          f"{rec['reward_model_on_this_rank']}", flush=True)
+    barrier(world)
+    if rank == 0:
+        merge_parts(out, sorted((out / "parts").glob(f"{run_id}.rank*.jsonl")))
+        if not args.probe:
+            write_reports(out)
+        log(f"all done in {time.perf_counter() - t0:.0f} s; results in {out}", rank)
+    barrier(world)
+    return 0
+
+
+def barrier(world: int) -> None:
+    import torch.distributed as dist
+
+    if world > 1 and dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def merge_parts(out: Path, parts: list[Path]) -> int:
+    """Append per-rank part files to results.jsonl; a merged part is renamed ``*.merged``."""
+    n = 0
+    with open(out / "results.jsonl", "a") as fh:
+        for part in parts:
+            for ln in part.read_text().splitlines():
+                if ln.strip():
+                    fh.write(ln + "\n")
+                    n += 1
+            part.rename(part.with_name(part.name + ".merged"))
+    return n
+
+
+def versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    out = {"python": sys.version.split()[0]}
+    for pkg in ("torch", "trl", "transformers", "accelerate", "peft", "datasets"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            out[pkg] = "?"
+    return out
+
+
+def git_commit() -> str | None:
+    try:
+        return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10).stdout.strip() or None
+    except Exception:
+        return None
+
+
+# ------------------------------------------------------------------------------------ max batch
+
+
+def find_max_batch(args) -> int:
+    """Driver: per variant, double the per-device batch from num_generations until a probe fails (or
+    --max-batch-limit), then bisect in multiples of num_generations; every probe is a fresh launch of
+    --nproc ranks that must complete 2 steps. Writes maxbatch.jsonl and regenerates the reports."""
+    out = Path(args.out) if args.out else default_out_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    probe_out = out / "probes"
+    ng = args.num_generations
+    results = []
+    for variant in args.variant_list:
+        tried: dict[int, bool] = {}
+
+        def probe(batch: int, variant: str = variant, tried: dict[int, bool] = tried) -> bool:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                   str(args.nproc), str(Path(__file__).resolve()), "--probe", "--policy", args.policy,
+                   "--variants", variant, "--grad-ckpt", args.grad_ckpt, "--steps", "2", "--warmup", "0",
+                   "--per-device-batch", str(batch), "--num-generations", str(ng),
+                   "--completion-len", str(args.completion_len), "--seed", str(args.seed),
+                   "--out", str(probe_out), "--tag", f"probe {variant} b{batch}"]
+            if args.mem_cap_gb:
+                cmd += ["--mem-cap-gb", str(args.mem_cap_gb)]
+            if args.reward_chunk_size:
+                cmd += ["--reward-chunk-size", str(args.reward_chunk_size)]
+            env = dict(os.environ, BENCH_RUN_ID=f"probe-{variant}-b{batch}-{time.strftime('%H%M%S')}",
+                       PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+            t0 = time.perf_counter()
+            try:
+                proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.probe_timeout)
+                ok, output = proc.returncode == 0, proc.stdout + proc.stderr
+            except subprocess.TimeoutExpired:
+                ok, output = False, "timed out"
+            oom = "out of memory" in output.lower() or "OutOfMemoryError" in output
+            tried[batch] = ok
+            log(f"probe {variant} batch {batch}: {'ok' if ok else 'FAILED' + (' (OOM)' if oom else '')} "
+                f"in {time.perf_counter() - t0:.0f} s")
+            if not ok and not oom:  # not a memory failure: show why (a bisect over it would be wrong)
+                print(output[-3000:], flush=True)
+            return ok
+
+        lo, hi, batch = 0, None, ng
+        while batch <= args.max_batch_limit:
+            if probe(batch):
+                lo, batch = batch, batch * 2
+            else:
+                hi = batch
+                break
+        if hi is not None:
+            while hi - lo > ng:
+                mid = (lo + hi) // 2 // ng * ng
+                if mid <= lo:
+                    break
+                if probe(mid):
+                    lo = mid
+                else:
+                    hi = mid
+        rec = {"variant": variant, "max_per_device_batch": lo, "first_failure": hi,
+               "hit_limit": hi is None, "max_batch_limit": args.max_batch_limit, "probes": tried,
+               "world_size": args.nproc, "policy": args.policy, "grad_ckpt": args.grad_ckpt,
+               "completion_len": args.completion_len, "num_generations": ng, "mem_cap_gb": args.mem_cap_gb,
+               "date": _dt.datetime.now().isoformat(timespec="seconds"), "versions": versions()}
+        results.append(rec)
+        log(f"{variant}: largest per-device batch {lo}" + (" (limit reached)" if hi is None else f", {hi} fails"))
+        with open(out / "maxbatch.jsonl", "a") as fh:
+            fh.write(json.dumps(rec) + "\n")
+    write_reports(out)
+    return 0
+
+
+# -------------------------------------------------------------------------------------- reports
+
+
+def load_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+
+
+def pool(records: list[dict], key: str) -> list[float]:
+    """Pooled timed-step values of one (variant, rank) over its rounds."""
+    return [s[key] for r in records for s in r["timed_steps"]]
+
+
+def run_groups(records: list[dict]) -> dict[str, list[dict]]:
+    groups: dict[str, list[dict]] = {}
+    for r in records:
+        groups.setdefault(r["run_id"], []).append(r)
+    return groups
+
+
+def run_title(recs: list[dict]) -> str:
+    r = recs[0]
+    cap = f", cap {r['mem_cap_gb']} GB" if r.get("mem_cap_gb") else ""
+    return (f"{r['policy']} policy, {r['world_size']} x {r['device']}, grad ckpt {r['grad_ckpt']}, "
+            f"{r['per_device_batch']} x {r['completion_len']} tokens/device{cap}")
+
+
+def per_variant_rank(recs: list[dict]) -> dict[tuple[str, int], list[dict]]:
+    out: dict[tuple[str, int], list[dict]] = {}
+    for r in recs:
+        out.setdefault((r["variant"], r["rank"]), []).append(r)
+    return out
+
+
+def med(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def slowest_rank_median(vr: dict[tuple[str, int], list[dict]], variant: str) -> float:
+    """The step time of a variant: the largest per-rank median (DDP steps finish together)."""
+    meds = [med(pool(rs, "step_s")) for (v, _), rs in vr.items() if v == variant]
+    return max(meds) if meds else float("nan")
+
+
+def write_reports(out: Path) -> None:
+    records = load_jsonl(out / "results.jsonl")
+    maxb = load_jsonl(out / "maxbatch.jsonl")
+    lines = ["# GRPO benchmark: stock TRL vs grpo-patches", "",
+             f"Generated {_dt.datetime.now().isoformat(timespec='seconds')} from `results.jsonl`"
+             + (" and `maxbatch.jsonl`" if maxb else "") + ". Step time: CUDA-synchronized at step begin/end, "
+             "timed steps after warm-up; spread = p25-p75 [min-max]. Phases: generate = `_generate`, "
+             "rewards = `_calculate_rewards`, loss/bwd = `training_step` - `_prepare_inputs`, other = "
+             "optimizer step + rest (scoring's log-prob passes are in step - the listed phases). Memory: "
+             "peak allocated / reserved per rank.", ""]
+    for run_id, recs in run_groups(records).items():
+        r0 = recs[0]
+        vr = per_variant_rank(recs)
+        variants = list(dict.fromkeys(r["variant"] for r in recs))
+        ranks = sorted({r["rank"] for r in recs})
+        stock = slowest_rank_median(vr, "stock") if "stock" in variants else None
+        v = r0["versions"]
+        lines += [f"## {run_title(recs)}", "",
+                  f"run `{run_id}`, {r0['date']}, {r0['warmup']} warm-up + {r0['steps']} timed steps x "
+                  f"{r0['rounds']} round(s), num_generations {r0['num_generations']}, reward model "
+                  f"{r0['reward_model_param_bytes'] / GiB:.3f} GiB, torch {v['torch']}, trl {v['trl']}, "
+                  f"transformers {v['transformers']}, git {r0.get('git')}" + (f", tag: {r0['tag']}" if r0.get("tag") else ""),
+                  "",
+                  "| variant | rank | step s (median) | spread | vs stock | tokens/s | generate s | rewards s | "
+                  "loss/bwd s | other s | peak alloc GiB | peak reserved GiB | peak alloc vs stock |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for variant in variants:
+            for rank in ranks:
+                rs = vr.get((variant, rank))
+                if not rs:
+                    continue
+                steps = pool(rs, "step_s")
+                su = summarize(steps)
+                ratio = ""
+                if stock and variant != "stock":
+                    st = med(pool(vr.get(("stock", rank), []), "step_s"))
+                    ratio = f"{med(steps) / st:.3f}" if st == st and st else ""
+                peak_a = max((r.get("peak_allocated_bytes") or 0) for r in rs)
+                peak_r = max((r.get("peak_reserved_bytes") or 0) for r in rs)
+                stock_a = max((r.get("peak_allocated_bytes") or 0) for r in vr.get(("stock", rank), [{}]))
+                mem_ratio = f"{peak_a / stock_a:.3f}" if stock_a and variant != "stock" else ""
+                lines.append(
+                    f"| {variant} | {rank} | {su.get('median', float('nan')):.3f} | "
+                    f"{su.get('p25', 0):.2f}-{su.get('p75', 0):.2f} [{su.get('min', 0):.2f}-{su.get('max', 0):.2f}] | "
+                    f"{ratio} | {med(pool(rs, 'tokens_per_s')):.1f} | {med(pool(rs, 'generate_s')):.3f} | "
+                    f"{med(pool(rs, 'rewards_s')):.4f} | {med(pool(rs, 'loss_backward_s')):.3f} | "
+                    f"{med(pool(rs, 'other_s')):.3f} | {peak_a / GiB:.2f} | {peak_r / GiB:.2f} | {mem_ratio} |")
+        lines += ["", "Checks:", ""]
+        if stock:
+            for variant in variants:
+                if variant == "stock":
+                    continue
+                ratio = slowest_rank_median(vr, variant) / stock
+                lines.append(f"- step time {variant} / stock (slowest rank's median): {ratio:.3f} -> "
+                             f"{'PASS' if ratio <= 1.01 else 'FAIL'} (target <= 1.01)")
+        if "stock" in variants and "patched-main" in variants:
+            non_main = [rk for rk in ranks if rk != 0]
+            if not non_main or not any(r.get("peak_allocated_bytes") for r in recs):
+                lines.append("- main placement memory: n/a (needs >= 2 GPU ranks)")
+            for rk in non_main:
+                st, pm = vr.get(("stock", rk)), vr.get(("patched-main", rk))
+                if not st or not pm or not st[0].get("peak_allocated_bytes"):
+                    continue
+                need = r0["reward_model_param_bytes"]
+                for kind in ("allocated", "reserved"):
+                    saved = (min(r[f"peak_{kind}_bytes"] for r in st)
+                             - max(r[f"peak_{kind}_bytes"] for r in pm))
+                    verdict = "PASS" if saved >= need else "FAIL"
+                    lines.append(f"- main placement, rank {rk}, peak {kind}: stock - patched-main = "
+                                 f"{saved / GiB:.3f} GiB vs reward model {need / GiB:.3f} GiB -> {verdict}")
+        unfreed = [f"{r['variant']}#{r['round']} rank {r['rank']}" for r in recs if r.get("trainer_freed") is False]
+        if unfreed:
+            lines.append(f"- WARNING: trainer not garbage-collected after {', '.join(unfreed)}")
+        leaks = [r for r in recs if r.get("base_allocated_bytes", 0) > 64 * 2**20]
+        if leaks:
+            lines.append(f"- WARNING: {len(leaks)} variant(s) started with > 64 MiB still allocated "
+                         f"(max {max(r['base_allocated_bytes'] for r in leaks) / GiB:.2f} GiB): memory of an "
+                         f"earlier variant was not freed")
+        lines.append("")
+    if maxb:
+        lines += ["## Largest per-device batch that completes 2 steps", "",
+                  "| policy | GPUs | grad ckpt | cap GB | completion len | variant | max batch | first failure | "
+                  "vs stock | date |", "|---|---|---|---|---|---|---|---|---|---|"]
+        stock_of = {(m["policy"], m["world_size"], m["grad_ckpt"], m["mem_cap_gb"], m["completion_len"]):
+                    m["max_per_device_batch"] for m in maxb if m["variant"] == "stock"}
+        for m in maxb:
+            key = (m["policy"], m["world_size"], m["grad_ckpt"], m["mem_cap_gb"], m["completion_len"])
+            base = stock_of.get(key)
+            ratio = f"{m['max_per_device_batch'] / base:.2f}" if base and m["variant"] != "stock" else ""
+            fail = "none up to limit" if m["hit_limit"] else str(m["first_failure"])
+            lines.append(f"| {m['policy']} | {m['world_size']} | {m['grad_ckpt']} | {m['mem_cap_gb']} | "
+                         f"{m['completion_len']} | {m['variant']} | {m['max_per_device_batch']} | {fail} | "
+                         f"{ratio} | {m['date']} |")
+        lines.append("")
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+    try:
+        write_plots(out, records)
+    except ImportError as exc:
+        print(f"[bench] no plots ({exc}); install matplotlib", flush=True)
+
+
+def write_plots(out: Path, records: list[dict]) -> None:
+    if not records:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = run_groups(records)
+    colors = {"stock": "#888888", "patched-local": "#1f77b4", "patched-main": "#ff7f0e"}
+
+    # step time: one group of bars per run, one bar per variant (slowest rank's median, min-max bars)
+    fig, ax = plt.subplots(figsize=(max(6, 2.2 * len(groups)), 4))
+    labels = []
+    for gi, (_run_id, recs) in enumerate(groups.items()):
+        vr = per_variant_rank(recs)
+        variants = list(dict.fromkeys(r["variant"] for r in recs))
+        width = 0.8 / max(len(variants), 1)
+        for vi, variant in enumerate(variants):
+            per_rank = [pool(rs, "step_s") for (v, _), rs in vr.items() if v == variant]
+            slowest = max(per_rank, key=med)
+            x = gi + (vi - (len(variants) - 1) / 2) * width
+            m = med(slowest)
+            ax.bar(x, m, width * 0.9, color=colors.get(variant), label=variant if gi == 0 else None,
+                   yerr=[[m - min(slowest)], [max(slowest) - m]], capsize=3)
+            ax.scatter([x] * len(slowest), slowest, s=8, color="black", zorder=3)
+        r0 = recs[0]
+        labels.append(f"{r0['policy']} {r0['world_size']}x, ckpt {r0['grad_ckpt']}\n"
+                      f"{r0['per_device_batch']}x{r0['completion_len']} tok")
+    ax.set_xticks(range(len(groups)))
+    ax.set_xticklabels(labels, fontsize=8)
+    ax.set_ylabel("step time, s (median; bars min-max; dots steps)")
+    ax.set_title("GRPO step time: stock TRL vs grpo-patches")
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "step_time.png", dpi=110)
+    plt.close(fig)
+
+    # phases: stacked medians per (run, variant), rank 0
+    phases = [("generate_s", "generate"), ("score_other_s", "log-probs etc."), ("rewards_s", "rewards"),
+              ("loss_backward_s", "loss/backward"), ("other_s", "optimizer/other")]
+    bars = []
+    for recs in groups.values():
+        vr = per_variant_rank(recs)
+        r0 = recs[0]
+        for variant in dict.fromkeys(r["variant"] for r in recs):
+            rs = vr.get((variant, 0))
+            if rs:
+                bars.append((f"{r0['policy']} {r0['world_size']}x\n{variant}", [med(pool(rs, k)) for k, _ in phases]))
+    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(bars)), 4))
+    bottom = [0.0] * len(bars)
+    for pi, (_, name) in enumerate(phases):
+        vals = [b[1][pi] for b in bars]
+        ax.bar(range(len(bars)), vals, 0.7, bottom=bottom, label=name)
+        bottom = [a + b for a, b in zip(bottom, vals, strict=True)]
+    ax.set_xticks(range(len(bars)))
+    ax.set_xticklabels([b[0] for b in bars], fontsize=7)
+    ax.set_ylabel("seconds per step (median, rank 0)")
+    ax.set_title("time per phase")
+    ax.legend(fontsize=7)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "phases.png", dpi=110)
+    plt.close(fig)
+
+    # memory: per run, groups = rank, bars = variant; solid = peak allocated, outline = peak reserved
+    mem_groups = [(rid, recs) for rid, recs in groups.items() if any(r.get("peak_allocated_bytes") for r in recs)]
+    if not mem_groups:
+        return
+    fig, axes = plt.subplots(1, len(mem_groups), figsize=(max(5, 3.5 * len(mem_groups)), 4), squeeze=False)
+    for ax, (_rid, recs) in zip(axes[0], mem_groups, strict=True):
+        vr = per_variant_rank(recs)
+        variants = list(dict.fromkeys(r["variant"] for r in recs))
+        ranks = sorted({r["rank"] for r in recs})
+        width = 0.8 / max(len(variants), 1)
+        for vi, variant in enumerate(variants):
+            xs = [ri + (vi - (len(variants) - 1) / 2) * width for ri in range(len(ranks))]
+            alloc = [max((r.get("peak_allocated_bytes") or 0) for r in vr.get((variant, rk), [{}])) / GiB for rk in ranks]
+            res = [max((r.get("peak_reserved_bytes") or 0) for r in vr.get((variant, rk), [{}])) / GiB for rk in ranks]
+            ax.bar(xs, res, width * 0.9, fill=False, edgecolor=colors.get(variant), linestyle="--")
+            ax.bar(xs, alloc, width * 0.9, color=colors.get(variant), label=variant)
+        rm = recs[0]["reward_model_param_bytes"] / GiB
+        ax.set_xticks(range(len(ranks)))
+        ax.set_xticklabels([f"rank {rk}" for rk in ranks])
+        ax.set_ylabel("GiB (solid: peak allocated, dashed: peak reserved)", fontsize=8)
+        ax.set_title(run_title(recs).split(", grad")[0] + f"\nreward model {rm:.2f} GiB", fontsize=8)
+        ax.legend(fontsize=7)
+        ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "memory.png", dpi=110)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------------------ main
+
+
+def main() -> None:
+    args = parse_args()
+    if args.report_only:
+        out = Path(args.out) if args.out else default_out_dir()
+        n = merge_parts(out, sorted((out / "parts").glob("*.jsonl"))) if (out / "parts").is_dir() else 0
+        write_reports(out)
+        print(f"[bench] merged {n} record(s) from unmerged parts; wrote {out / 'results.md'}", flush=True)
+        sys.exit(0)
+    if args.find_max_batch and not args.probe:
+        if "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            sys.exit("--find-max-batch is a driver: run it with plain python (it launches the probes)")
+        sys.exit(find_max_batch(args))
+    code = 1
+    try:
+        code = worker(args)
+    except BaseException:
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)  # a launcher ends the other ranks; no hang in a half-done collective
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # FACTS.md: clean exit on torch 2.13 + gloo
+
+
+if __name__ == "__main__":
+    main()

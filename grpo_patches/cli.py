@@ -1,0 +1,113 @@
+"""``grpo-patches`` command line. Subcommands register themselves in :func:`build_parser`.
+
+``grpo-patches doctor`` runs :func:`grpo_patches.preflight.preflight` and prints the component x rank
+memory table; it exits 1 when the run would fail (a group split across ranks, a predicted peak over
+``--gpu-memory-gb``), so it can gate a launch script: ``grpo-patches doctor ... && accelerate launch``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["build_parser", "main"]
+
+
+def _key_value(text: str) -> tuple[str, Any]:
+    if "=" not in text:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    key, raw = text.split("=", 1)
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        value = raw
+    return key.strip(), value
+
+
+def _add_doctor(sub: Any) -> None:
+    p = sub.add_parser(
+        "doctor",
+        help="predict per-GPU memory and check the GRPO shape before a run",
+        description="Predict each rank's peak memory for GRPO + LoRA on the meta device (no weights loaded) and "
+        "check the rank-local group rule. Exits 1 if the run would not fit or would split groups.",
+    )
+    p.add_argument("--model", required=True,
+                   help="config.json path, a folder holding one, or a preset (llama-3.1-70b, llama-3.1-8b, qwen2-1.5b, "
+                   "qwen2.5-0.5b)")
+    p.add_argument("--grpo-config", type=Path, help="JSON file of GRPO settings (GRPOConfig field names)")
+    p.add_argument("--set", dest="settings", action="append", type=_key_value, default=[], metavar="KEY=VALUE",
+                   help="a GRPO setting, e.g. --set per_device_train_batch_size=2 (repeatable; wins over --grpo-config)")
+    p.add_argument("--lora", dest="lora", action="append", type=_key_value, default=[], metavar="KEY=VALUE",
+                   help="a LoRA setting over the pinned ones, e.g. --lora r=32 (repeatable)")
+    p.add_argument("--world-size", type=int, default=1, help="number of ranks (GPUs)")
+    p.add_argument("--gpu-memory-gb", type=float, help="memory per GPU in GiB (e.g. 24 for an RTX 3090)")
+    p.add_argument("--reward-model", action="append", default=[], metavar="CONFIG",
+                   help="a reward model's config.json / folder / preset (repeatable)")
+    p.add_argument("--reward-dtype", default="bfloat16", help="reward models' dtype (default bfloat16)")
+    p.add_argument("--reward-placement", choices=("local", "main"), default="local",
+                   help="reward models on every rank (local) or on rank 0 only (main)")
+    p.add_argument("--dataset-size", type=int, help="number of training prompts (S9 warns under 1000)")
+    p.add_argument("--prompt-length", type=int, help="prompt tokens (default: max_prompt_length or 256)")
+    p.add_argument("--dtype", help="dtype of the frozen policy weights (default: bf16 when bf16 is on)")
+    p.add_argument("--logits-mode", choices=("auto", "fused", "full"), default="auto",
+                   help="how the trainer computes log-probs: TRL's fused LM head or full logits (default: detect)")
+    p.set_defaults(func=_doctor)
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from grpo_patches.defaults import lora_config
+    from grpo_patches.preflight import RewardModelSpec, preflight
+
+    settings: dict[str, Any] = {}
+    if args.grpo_config is not None:
+        settings.update(json.loads(args.grpo_config.read_text()))
+    settings.update(dict(args.settings))
+    lora = lora_config(**dict(args.lora)) if args.lora else None
+    rewards = [RewardModelSpec(config=c, dtype=args.reward_dtype) for c in args.reward_model]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the report prints its warnings itself
+        report = preflight(
+            args.model,
+            grpo_config=settings or None,
+            lora_config=lora,
+            world_size=args.world_size,
+            gpu_memory_gb=args.gpu_memory_gb,
+            reward_models=rewards,
+            reward_placement=args.reward_placement,
+            dataset_size=args.dataset_size,
+            prompt_length=args.prompt_length,
+            dtype=args.dtype,
+            logits_mode=args.logits_mode,
+            raise_on_error=False,
+            warn=False,
+        )
+    print(report)
+    return 1 if report.errors else 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="grpo-patches", description="Patch kit for multi-GPU GRPO with LoRA.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    _add_doctor(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Console-script entry: ``grpo-patches COMMAND ...``; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except (ValueError, TypeError, FileNotFoundError) as e:  # bad input: one line, not a traceback
+        print(f"grpo-patches {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

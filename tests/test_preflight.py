@@ -1,0 +1,319 @@
+"""Preflight: meta-device counts, the memory model's structure, the shape rule, S4/S8/S9 advice, CLI."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+import types
+import warnings
+
+import pytest
+import torch
+
+from grpo_patches import preflight as pf
+from grpo_patches.cli import main as cli_main
+from grpo_patches.defaults import lora_config
+from grpo_patches.grouping import GroupShapeError
+from grpo_patches.preflight import (
+    PreflightError,
+    PreflightWarning,
+    RewardModelSpec,
+    count_parameters,
+    preflight,
+)
+
+GiB = 2**30
+SMALL = dict(per_device_train_batch_size=4, gradient_accumulation_steps=1, steps_per_generation=1,
+             num_generations=4, max_completion_length=128, gradient_checkpointing=True, bf16=True)
+
+
+def quiet_preflight(*args, **kwargs):
+    kwargs.setdefault("warn", False)
+    return preflight(*args, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def count_70b():
+    start = time.perf_counter()
+    counts = count_parameters("llama-3.1-70b")
+    return counts, time.perf_counter() - start
+
+
+# ------------------------------------------------------------------------------ meta-device counts
+
+
+def test_70b_config_is_counted_on_meta_in_seconds(count_70b):
+    counts, seconds = count_70b
+    assert 70.5e9 < counts.total < 71e9
+    assert counts.share == pytest.approx(0.002927, abs=2e-5)  # DIGEST S4: 0.29%
+    assert seconds < 30, f"meta-device count took {seconds:.1f} s"
+
+
+@pytest.mark.parametrize(("preset", "share"), [("llama-3.1-8b", 0.0052), ("qwen2-1.5b", 0.0118)])
+def test_trainable_shares_match_digest(preset, share):
+    assert count_parameters(preset).share == pytest.approx(share, rel=0.02)
+
+
+@pytest.mark.parametrize("lora", [None, dict(r=8, target_modules=["q_proj", "v_proj"]), dict(r=4, lora_dropout=0.0)])
+def test_hand_count_equals_peft_on_the_meta_model(lora):
+    lora = lora_config(**lora) if lora is not None else None
+    assert count_parameters("qwen2.5-0.5b", lora) == count_parameters("qwen2.5-0.5b", lora, peft_always=True)
+
+
+def test_configs_the_hand_count_cannot_do_go_through_peft():
+    assert not pf._is_plain_lora(lora_config(modules_to_save=["lm_head"]))
+    assert not pf._is_plain_lora(lora_config(target_modules="all-linear"))
+    assert not pf._is_plain_lora(lora_config(use_dora=True))
+    assert pf._is_plain_lora(lora_config())
+
+
+def test_trainable_share_follows_the_lora_config():
+    assert count_parameters("qwen2.5-0.5b", lora_config(r=32)).trainable == 2 * count_parameters("qwen2.5-0.5b").trainable
+
+
+# ------------------------------------------------------------------------------- S4 share advice
+
+
+def share_advice(model, lora=None):
+    report = quiet_preflight(model, grpo_config=SMALL, lora_config=lora, reward_models=["qwen2.5-0.5b"])
+    return [w for w in report.warnings if "trainable share" in w]
+
+
+@pytest.mark.parametrize("model", ["qwen2.5-0.5b", "qwen2-1.5b", "llama-3.1-8b"])
+def test_pinned_lora_is_not_flagged_on_small_models(model):
+    assert share_advice(model) == []  # 1.75% / 1.2% / 0.52%: outside 0.1-0.5% but right for the size
+
+
+def test_share_band_is_the_article_band_at_70b(count_70b):
+    assert share_advice("llama-3.1-70b") == []
+    assert share_advice("llama-3.1-70b", lora_config(r=8)) == []  # 0.15%: inside 0.1-0.5%
+    assert share_advice("llama-3.1-70b", lora_config(r=32))  # 0.58%: "not 32"
+
+
+@pytest.mark.filterwarnings("ignore:Model has `tie_word_embeddings=True`")
+def test_unfrozen_weights_are_flagged():
+    advice = share_advice("qwen2.5-0.5b", lora_config(modules_to_save=["lm_head"]))
+    assert advice and "more weights than the adapter" in advice[0]
+
+
+def test_share_warning_is_a_preflight_warning():
+    with pytest.warns(PreflightWarning, match="trainable share"):
+        preflight("qwen2.5-0.5b", grpo_config=SMALL, lora_config=lora_config(r=128), reward_models=["qwen2.5-0.5b"])
+
+
+# ------------------------------------------------------------------------------ shape rule (S10)
+
+
+def test_groups_split_across_ranks_are_rejected_with_the_fix():
+    shape = dict(SMALL, per_device_train_batch_size=2, num_generations=4)
+    with pytest.raises(GroupShapeError, match="Nearest valid settings") as e:
+        quiet_preflight("qwen2.5-0.5b", grpo_config=shape, world_size=2)
+    assert isinstance(e.value, ValueError)
+    report = quiet_preflight("qwen2.5-0.5b", grpo_config=shape, world_size=2, raise_on_error=False)
+    assert not report.ok and "per_device_train_batch_size=4" in report.errors[0]
+
+
+def test_steps_per_generation_counts_toward_the_rank_local_rule():
+    shape = dict(SMALL, per_device_train_batch_size=2, steps_per_generation=2, num_generations=4)
+    assert quiet_preflight("qwen2.5-0.5b", grpo_config=shape, world_size=4).ok
+
+
+# ----------------------------------------------------------------------------------- memory model
+
+
+def test_components_follow_the_documented_formulas():
+    report = quiet_preflight("qwen2.5-0.5b", grpo_config=SMALL, prompt_length=64)
+    rank = report.ranks[0]
+    c, counts, arch = rank.components, report.params, pf._arch(pf.load_model_config("qwen2.5-0.5b"))
+    assert c["weights"] == counts.frozen * 2
+    assert c["lora_params"] == 4 * counts.trainable and c["optimizer_state"] == 8 * counts.trainable
+    seqs, length = 4 * 1, 64 + 128
+    assert c["kv_cache"] == 2 * arch.kv * length * seqs * 2 * (arch.layers + 1)
+    assert c["autocast_cache"] == 0
+    assert rank.phases["training"] == (c["weights"] + c["lora_params"] + c["optimizer_state"] + c["lora_grads"]
+                                       + c["activations"] + c["logits_logps"])
+    assert rank.peak == max(rank.phases.values())
+
+
+def test_checkpointing_fp32_weights_and_logits_mode_change_the_right_rows():
+    on = quiet_preflight("qwen2.5-0.5b", grpo_config=SMALL)
+    off = quiet_preflight("qwen2.5-0.5b", grpo_config=dict(SMALL, gradient_checkpointing=False))
+    assert off.ranks[0].components["activations"] > 5 * on.ranks[0].components["activations"]
+    assert on.activations_full == off.ranks[0].components["activations"]
+    fp32 = quiet_preflight("qwen2.5-0.5b", grpo_config=SMALL, dtype="float32")
+    assert fp32.ranks[0].components["weights"] == 2 * on.ranks[0].components["weights"]
+    assert fp32.ranks[0].components["autocast_cache"] > 0
+    full = quiet_preflight("qwen2.5-0.5b", grpo_config=SMALL, logits_mode="full")
+    fused = quiet_preflight("qwen2.5-0.5b", grpo_config=SMALL, logits_mode="fused")
+    assert full.ranks[0].components["logits_logps"] > 10 * fused.ranks[0].components["logits_logps"]
+
+
+def test_reward_model_placement():
+    rm = RewardModelSpec("qwen2.5-0.5b", dtype="bfloat16")
+    local = quiet_preflight("qwen2-1.5b", grpo_config=SMALL, world_size=4, reward_models=[rm])
+    main = quiet_preflight("qwen2-1.5b", grpo_config=SMALL, world_size=4, reward_models=[rm],
+                           reward_placement="main")
+    rm_bytes = pf._count_reward_model(pf.load_model_config("qwen2.5-0.5b")) * 2
+    assert [r.components["reward_weights"] for r in local.ranks] == [rm_bytes] * 4
+    assert [r.components["reward_weights"] for r in main.ranks] == [rm_bytes, 0, 0, 0]
+    assert main.ranks[1].peak < local.ranks[1].peak
+    assert main.ranks[0].components["reward_scoring"] > local.ranks[0].components["reward_scoring"]
+    assert "ranks 1-3" in main.table() and "rank 0" in main.table()
+
+
+def test_fits_flag_and_error_with_options():
+    big = dict(SMALL, max_completion_length=512, gradient_checkpointing=False)
+    report = quiet_preflight("llama-3.1-8b", grpo_config=big, gpu_memory_gb=24, raise_on_error=False)
+    assert report.fits is False and not report.ranks[0].fits
+    assert "gradient_checkpointing=True" in report.errors[0] and "(fits)" in report.errors[0]
+    with pytest.raises(PreflightError, match="Options:"):
+        quiet_preflight("llama-3.1-8b", grpo_config=big, gpu_memory_gb=24)
+    roomy = quiet_preflight("llama-3.1-8b", grpo_config=big, gpu_memory_gb=1000)
+    assert roomy.fits is True and roomy.ranks[0].headroom > 0
+    assert quiet_preflight("llama-3.1-8b", grpo_config=big).fits is None  # no memory given
+
+
+def test_grpo_settings_from_dict_namespace_and_trl_config_agree(tmp_path):
+    from grpo_patches.defaults import grpo_config
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trl_cfg = grpo_config(str(tmp_path / "o"), per_device_train_batch_size=4, steps_per_generation=1,
+                              num_generations=4, max_completion_length=128, bf16=True, use_cpu=True)
+    plain = dict(SMALL)
+    a = quiet_preflight("qwen2.5-0.5b", grpo_config=plain, prompt_length=256)
+    b = quiet_preflight("qwen2.5-0.5b", grpo_config=types.SimpleNamespace(**plain), prompt_length=256)
+    c = quiet_preflight("qwen2.5-0.5b", grpo_config=trl_cfg, prompt_length=256)
+    assert a.ranks[0].components == b.ranks[0].components == c.ranks[0].components
+
+
+def test_model_config_from_object_path_and_preset(tmp_path):
+    cfg = pf.load_model_config("qwen2.5-0.5b")
+    cfg.save_pretrained(tmp_path)
+    by_preset = quiet_preflight("qwen2.5-0.5b", grpo_config=SMALL)
+    by_path = quiet_preflight(tmp_path / "config.json", grpo_config=SMALL)
+    by_dir = quiet_preflight(str(tmp_path), grpo_config=SMALL)
+    by_object = quiet_preflight(cfg, grpo_config=SMALL)
+    assert by_preset.peak == by_path.peak == by_dir.peak == by_object.peak
+    with pytest.raises(FileNotFoundError):
+        quiet_preflight(tmp_path / "missing.json")
+
+
+# --------------------------------------------------------------------------------------- S8 / S9
+
+
+def advice_of(report, needle):
+    return [w for w in report.warnings if needle in w]
+
+
+def test_s9_advice(count_70b):
+    r = quiet_preflight("llama-3.1-70b", grpo_config=SMALL, world_size=4, gpu_memory_gb=8, raise_on_error=False,
+                        dataset_size=500)
+    assert advice_of(r, "under 40") and advice_of(r, "under 1000") and advice_of(r, "no reward model")
+    r = quiet_preflight("llama-3.1-70b", grpo_config=SMALL, world_size=4, gpu_memory_gb=80, dataset_size=5000,
+                        reward_models=[RewardModelSpec("llama-3.1-8b")], raise_on_error=False)
+    assert not (advice_of(r, "under 40") or advice_of(r, "under 1000") or advice_of(r, "reward model"))
+
+
+def test_a_loaded_reward_model_counts_as_a_model():
+    from tests.helpers import tiny_reward_model
+
+    rm = tiny_reward_model()
+    r = quiet_preflight("qwen2.5-0.5b", grpo_config=SMALL, reward_models=[rm])
+    assert r.ranks[0].components["reward_weights"] == sum(p.numel() for p in rm.parameters()) * 4  # fp32
+
+
+def test_rule_based_rewards_and_foreign_family_are_named():
+    r = quiet_preflight("qwen2.5-0.5b", grpo_config=SMALL, reward_models=[lambda completions, **kw: [0.0]])
+    assert advice_of(r, "1 rule-based reward function")
+    r = quiet_preflight("qwen2.5-0.5b", grpo_config=SMALL, reward_models=["llama-3.1-8b"])
+    assert advice_of(r, "same family")
+
+
+def test_small_headroom_is_advice_not_error():
+    probe = quiet_preflight("qwen2.5-0.5b", grpo_config=SMALL, reward_models=["qwen2.5-0.5b"])
+    needed = probe.ranks[0].peak * 1.05 + GiB
+    r = quiet_preflight("qwen2.5-0.5b", grpo_config=SMALL, reward_models=["qwen2.5-0.5b"],
+                        gpu_memory_gb=(needed + GiB) / GiB)
+    assert r.ok and r.fits and advice_of(r, "under 2 GiB free")
+
+
+# ------------------------------------------------------- the activation coefficients, re-measured
+
+
+def measured_layer_bytes(kind: str, hidden: int, inter: int, heads: int, kv_heads: int, dtype, autocast: bool):
+    """Bytes autograd saves per token for one decoder layer with the pinned LoRA: (3 layers - 2 layers)."""
+    import peft
+    import transformers
+
+    def saved(layers: int) -> int:
+        torch.manual_seed(0)
+        cls = transformers.Qwen2Config if kind == "qwen2" else transformers.LlamaConfig
+        cfg = cls(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
+                  num_key_value_heads=kv_heads, vocab_size=64)
+        model = peft.get_peft_model(transformers.AutoModelForCausalLM.from_config(cfg).to(dtype), lora_config())
+        model.train()
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        seen: dict[int, int] = {}
+
+        def pack(t):
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in params:
+                seen[ptr] = t.untyped_storage().nbytes()
+            return t
+
+        ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+        with ctx, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model.base_model.model.model(input_ids=torch.randint(0, 64, (2, 96)))
+        return sum(seen.values())
+
+    return (saved(3) - saved(2)) / (2 * 96)
+
+
+@pytest.mark.parametrize(("kind", "shape", "dtype", "autocast", "act"), [
+    ("llama", (192, 512, 6, 2), torch.float32, False, 4),
+    ("qwen2", (256, 704, 4, 2), torch.float32, False, 4),
+    ("llama", (192, 512, 6, 2), torch.bfloat16, True, 2),
+])
+def test_activation_coefficients_match_a_cpu_measurement(kind, shape, dtype, autocast, act):
+    hidden, inter, heads, kv_heads = shape
+    arch = pf._Arch(layers=1, hidden=hidden, intermediate=inter, heads=heads, kv_heads=kv_heads,
+                    head_dim=hidden // heads, vocab=64, model_type=kind, moe=False)
+    predicted = pf._layer_bytes_per_token(arch, act, dropout=True)
+    measured = measured_layer_bytes(kind, hidden, inter, heads, kv_heads, dtype, autocast)
+    assert predicted == pytest.approx(measured, rel=0.10)
+
+
+# ------------------------------------------------------------------------------------------- CLI
+
+
+def test_cli_doctor_prints_table_and_exit_status(capsys, tmp_path):
+    assert cli_main(["doctor", "--model", "qwen2.5-0.5b", "--gpu-memory-gb", "80", "--set", "num_generations=4",
+                     "--reward-model", "qwen2.5-0.5b", "--dataset-size", "5000"]) == 0
+    out = capsys.readouterr().out
+    for row in ("weights", "lora_grads", "activations", "kv_cache", "reward_weights", "peak", "fits"):
+        assert row in out
+    assert "rank 0" in out and "yes" in out
+
+    settings = tmp_path / "grpo.json"
+    settings.write_text(json.dumps(dict(SMALL, per_device_train_batch_size=16, num_generations=16,
+                                        max_completion_length=2048, gradient_checkpointing=False)))
+    assert cli_main(["doctor", "--model", "llama-3.1-8b", "--grpo-config", str(settings),
+                     "--gpu-memory-gb", "24"]) == 1
+    assert "NO" in capsys.readouterr().out
+
+    assert cli_main(["doctor", "--model", "qwen2.5-0.5b", "--world-size", "2",
+                     "--set", "per_device_train_batch_size=2", "--set", "steps_per_generation=1"]) == 1
+    assert "Nearest valid settings" in capsys.readouterr().out
+
+    assert cli_main(["doctor", "--model", str(tmp_path / "nope.json")]) == 2
+    with pytest.raises(SystemExit):
+        cli_main(["doctor"])  # --model is required
+
+
+def test_cli_lora_override_reaches_the_count(capsys):
+    assert cli_main(["doctor", "--model", "qwen2.5-0.5b", "--lora", "r=32"]) == 0
+    out = capsys.readouterr().out
+    trainable = count_parameters("qwen2.5-0.5b", lora_config(r=32)).trainable
+    assert f"trainable {trainable / 1e6:.2f}M" in out
