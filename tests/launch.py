@@ -33,6 +33,16 @@ class RankResult:
         return self.returncode is None
 
 
+def world_sizes(*sizes: int) -> list[int]:
+    """The world sizes a multi-process test runs with: all of them on CPU (gloo); on GPUs
+    (GRPO_PATCHES_TEST_DEVICE=cuda, one rank per GPU under NCCL) those that fit the visible GPUs."""
+    if os.environ.get("GRPO_PATCHES_TEST_DEVICE", "cpu") != "cuda":
+        return list(sizes)
+    import torch
+
+    return [n for n in sizes if n <= torch.cuda.device_count()]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

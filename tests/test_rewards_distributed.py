@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from tests.launch import describe, run_ranks
+from tests.launch import describe, run_ranks, world_sizes
 
 pytestmark = pytest.mark.distributed
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", world_sizes(2, 4))
 @pytest.mark.parametrize("placement,chunk", [("main", 2), ("main", 4), ("main", 0), ("local", 2)])
 def test_each_rank_gets_exactly_its_own_rewards(world_size, placement, chunk):
     results = run_ranks("tests.dist_core", "scatter", placement, str(chunk), world_size=world_size, deadline=90)
