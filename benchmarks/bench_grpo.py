@@ -252,11 +252,30 @@ class StepTimer:
         original = getattr(trainer, name)  # bound (possibly the patch's wrapt wrapper)
         timer = self
 
+        profile_to = os.environ.get("BENCH_PROFILE_DIR") if os.environ.get("BENCH_PROFILE") == name else None
+        profiler = None
+        if profile_to:  # cProfile of this one method, cumulative over the variant's steps
+            import cProfile
+
+            profiler = cProfile.Profile()
+
         def timed(*a, **kw):
             timer.sync()
             t0 = time.perf_counter()
+            if profiler is not None:
+                profiler.enable()
             out = original(*a, **kw)
             timer.sync()
+            if profiler is not None:
+                import io
+                import pstats
+
+                profiler.disable()
+                text = io.StringIO()
+                pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(30)
+                Path(profile_to).mkdir(parents=True, exist_ok=True)
+                (Path(profile_to) / f"profile-{timer.label.replace('#', '_')}-rank{timer.rank}.txt").write_text(
+                    text.getvalue())
             if timer.cur is not None:
                 timer.cur[name] = timer.cur.get(name, 0.0) + time.perf_counter() - t0
                 if count_tokens:  # _generate returns (prompt_ids, completion_ids, ...), lists of id lists
@@ -708,6 +727,14 @@ def write_reports(out: Path) -> None:
                     verdict = "PASS" if saved >= need else "FAIL"
                     lines.append(f"- main placement, rank {rk}, peak {kind}: stock - patched-main = "
                                  f"{saved / GiB:.3f} GiB vs reward model {need / GiB:.3f} GiB -> {verdict}")
+                # What each variant itself allocated: its peak minus what was still allocated when it
+                # started (an earlier variant's leftovers in this process would otherwise count against it).
+                own = lambda r: r["peak_allocated_bytes"] - r.get("base_allocated_bytes", 0)  # noqa: E731
+                saved = min(own(r) for r in st) - max(own(r) for r in pm)
+                verdict = "PASS" if saved >= need else "FAIL"
+                lines.append(f"- main placement, rank {rk}, peak allocated above each variant's starting "
+                             f"allocation: stock - patched-main = {saved / GiB:.3f} GiB vs reward model "
+                             f"{need / GiB:.3f} GiB -> {verdict}")
         unfreed = [f"{r['variant']}#{r['round']} rank {r['rank']}" for r in recs if r.get("trainer_freed") is False]
         if unfreed:
             lines.append(f"- WARNING: trainer not garbage-collected after {', '.join(unfreed)}")

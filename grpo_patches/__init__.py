@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import threading
 import warnings
+from typing import Any
 
 from . import options as _options
 from .collectives import CollectiveTimeoutError, RemoteFailureError
@@ -75,6 +76,7 @@ def apply(
     reward_chunk_size: int | None = None,
     reward_timeout: float = 600.0,
     strict: bool = True,
+    fast_generation: bool | dict | Any = False,
 ) -> bool:
     """Patch ``trl.GRPOTrainer`` in place; returns whether a patch is active afterwards.
 
@@ -86,12 +88,18 @@ def apply(
         reward_timeout: seconds a step's reward computation may take before every rank raises.
         strict: on a TRL release outside the tested range raise :class:`UnsupportedVersionError`;
             with ``False``, warn and patch nothing.
+        fast_generation: compiled decoding under a static KV cache with dropout off while
+            sampling (``True``, a dict of :class:`~grpo_patches.generation.FastGenerationConfig`
+            fields, or such a config); on CPU it warns once and samples eagerly.
 
     Calling ``apply()`` again never wraps twice; it replaces the options for trainers built
     afterwards. Trainers built before the first ``apply()`` stay unpatched.
     """
     global _applied
-    opts = _options.PatchOptions(reward_placement, reward_chunk_size, reward_timeout, strict)
+    from .generation import FastGenerationConfig
+
+    opts = _options.PatchOptions(reward_placement, reward_chunk_size, reward_timeout, strict,
+                                 FastGenerationConfig.coerce(fast_generation))
     with _lock:
         if _applied is not None:
             _options.set_active(opts)

@@ -90,11 +90,36 @@ def _doctor(args: argparse.Namespace) -> int:
     return 1 if report.errors else 0
 
 
+def versions_table() -> str:
+    """The README's supported-versions table, from compat.json and the adapters (never hand-edited)."""
+    from . import compat, registry
+
+    adapters = {a.key: a for a in registry.ADAPTERS}
+    free = set(compat.table().get("grpo_free", []))
+    rows = ["| TRL | transformers | accelerate | peft | datasets | status |", "|---|---|---|---|---|---|"]
+    for release, row in sorted(compat.table()["supported"].items(), key=lambda kv: compat._key(kv[0])):
+        if release in free:
+            status = "needs no patch (groups already rank-local)"
+        elif row["era"] in adapters:
+            status = f"patched (adapter `{row['era']}`)"
+        else:
+            status = f"refused: era `{row['era']}` has no adapter yet"
+        rows.append(f"| {release} | {row['transformers']} | {row['accelerate']} | {row['peft']} | "
+                    f"{row['datasets']} | {status} |")
+    return "\n".join(rows)
+
+
+def _add_versions(sub: Any) -> None:
+    p = sub.add_parser("versions", help="print the supported-versions table (markdown)")
+    p.set_defaults(func=lambda args: print(versions_table()) or 0)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="grpo-patches", description="Patch kit for multi-GPU GRPO with LoRA.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     _add_doctor(sub)
+    _add_versions(sub)
     return parser
 
 

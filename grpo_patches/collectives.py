@@ -11,6 +11,7 @@ message.
 from __future__ import annotations
 
 import datetime
+import queue
 import threading
 import traceback
 from collections.abc import Callable
@@ -57,30 +58,49 @@ class CollectiveTimeoutError(RuntimeError):
     """A peer did not reach a collective within the kit's timeout (it is stuck or has died)."""
 
 
-class _WorkerTimeout(Exception):
-    pass
+class _Worker:
+    """One daemon thread that runs submitted calls in order.
+
+    Not ``concurrent.futures``: its threads are joined at interpreter exit, so a stuck reward
+    function would hang the very exit that fail-fast is meant to reach.
+    """
+
+    def __init__(self) -> None:
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="grpo_patches-worker", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            fn, box, done = self.jobs.get()
+            try:
+                box["value"] = fn()
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+                box["error"] = exc
+            done.set()
+
+
+_worker: _Worker | None = None
 
 
 def call_with_timeout(fn: Callable[[], T], timeout: float, *, what: str,
                       running: Callable[[], str] | None = None) -> T:
-    """Run ``fn`` in a daemon thread and wait at most ``timeout`` seconds.
+    """Run ``fn`` on the kit's worker thread and wait at most ``timeout`` seconds.
 
-    A stuck call cannot be killed from Python; the thread is left behind (daemon, so it does not
-    keep the process alive) and a ``TimeoutError`` naming ``what`` is raised, which the callers
-    turn into a :class:`Failure` that every rank sees. ``running`` names what was in progress.
+    One long-lived worker thread, not a thread per call: CUDA keeps per-thread state (current
+    device, library handles) that a fresh thread would set up again every step. A stuck call
+    cannot be killed from Python; its thread is abandoned (daemon, so it does not keep the process
+    alive), the next call gets a new worker, and a ``TimeoutError`` naming ``what`` is raised, which
+    the callers turn into a :class:`Failure` that every rank sees. ``running`` names what was in
+    progress.
     """
+    global _worker
+    if _worker is None:
+        _worker = _Worker()
     box: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            box["value"] = fn()
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
-            box["error"] = exc
-
-    thread = threading.Thread(target=run, name=f"grpo_patches:{what}", daemon=True)
-    thread.start()
-    thread.join(timeout)
-    if thread.is_alive():
+    done = threading.Event()
+    _worker.jobs.put((fn, box, done))
+    if not done.wait(timeout):
+        _worker = None
         now = running() if running is not None else ""
         raise TimeoutError(f"{what} did not finish within reward_timeout={timeout:g} s"
                            + (f" (still running: {now})" if now else ""))

@@ -14,7 +14,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-__all__ = ["grpo_free_releases", "pins", "supported_range", "table", "tested_release_for", "tested_releases"]
+__all__ = ["grpo_free_releases", "newest", "pins", "table"]
 
 DATA = Path(__file__).with_name("compat.json")
 PINNED = ("transformers", "accelerate", "peft", "datasets")
@@ -29,30 +29,11 @@ def _key(release: str) -> tuple[int, ...]:
     return tuple(int(p) for p in release.split(".")[:3])
 
 
-def tested_releases() -> list:
-    from packaging.version import Version
-
-    return sorted(Version(v) for v in table()["supported"])
-
-
 def grpo_free_releases() -> list:
     """Releases that need no patch: each process already generates whole groups (TRL 0.14)."""
     from packaging.version import Version
 
     return sorted(Version(v) for v in table().get("grpo_free", []))
-
-
-def tested_release_for(version) -> str | None:
-    """The tested release of ``version``'s minor series (patch releases share a minor's code)."""
-    for tested in table()["supported"]:
-        if _key(tested)[:2] == tuple(version.release[:2]):
-            return tested
-    return None
-
-
-def supported_range() -> str:
-    releases = tested_releases()
-    return f"trl {releases[0].major}.{releases[0].minor}.x - {releases[-1].major}.{releases[-1].minor}.x"
 
 
 def newest() -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from .generation import FastGenerationConfig
 from .rewards import PLACEMENTS
 
 __all__ = ["PatchOptions"]
@@ -16,6 +17,7 @@ class PatchOptions:
     reward_chunk_size: int | None = None
     reward_timeout: float = 600.0
     strict: bool = True
+    fast_generation: FastGenerationConfig | None = None
 
     def __post_init__(self) -> None:
         if self.reward_placement not in PLACEMENTS:

@@ -19,7 +19,8 @@ from . import compat
 from .targets import Adapter
 from .targets.trl_v019 import ADAPTER as TRL_V019
 
-__all__ = ["ADAPTERS", "NothingToPatch", "UnsupportedVersionError", "installed_trl_version", "select"]
+__all__ = ["ADAPTERS", "NothingToPatch", "UnsupportedVersionError", "installed_trl_version", "select",
+           "supported_range", "supported_releases"]
 
 ADAPTERS: tuple[Adapter, ...] = (TRL_V019,)
 ALLOW_UNKNOWN_ENV = "GRPO_PATCHES_ALLOW_UNKNOWN"
@@ -40,29 +41,53 @@ def installed_trl_version() -> Version:
         raise UnsupportedVersionError("grpo_patches: TRL is not installed (pip install trl).") from None
 
 
+def supported_releases() -> list[Version]:
+    """Tested releases (compat.json) whose era has an adapter here."""
+    keys = {a.key for a in ADAPTERS}
+    rows = compat.table()["supported"]
+    return sorted(Version(v) for v, row in rows.items() if row.get("era") in keys)
+
+
+def supported_range() -> str:
+    releases = supported_releases()
+    first, last = releases[0], releases[-1]
+    return f"trl {first.major}.{first.minor}.x - {last.major}.{last.minor}.x"
+
+
+def _tested_row(version: Version) -> dict | None:
+    """The compat.json row of ``version``'s minor series (patch releases share a minor's code)."""
+    for release, row in compat.table()["supported"].items():
+        if Version(release).release[:2] == version.release[:2]:
+            return row
+    return None
+
+
 def select(version: Version) -> Adapter:
-    supported = compat.supported_range()
+    supported = supported_range()
     if any(version.release[:2] == free.release[:2] for free in compat.grpo_free_releases()):
         raise NothingToPatch(
             f"TRL {version} generates each prompt's num_generations completions inside one process "
             f"(num_return_sequences), so groups are already rank-local; grpo_patches leaves it unpatched."
         )
     allow_unknown = os.environ.get(ALLOW_UNKNOWN_ENV) == "1"
-    if compat.tested_release_for(version) is None and not allow_unknown:
+    row = _tested_row(version)
+    by_key = {a.key: a for a in ADAPTERS}
+    if row is not None and row.get("era") in by_key:
+        adapter = by_key[row["era"]]
+    elif allow_unknown:
+        # the adapter of the nearest supported release below this one
+        below = [v for v in supported_releases() if v <= version]
+        if not below:
+            raise UnsupportedVersionError(f"grpo_patches: no adapter for TRL {version}; supported: {supported}.")
+        adapter = by_key[compat.table()["supported"][str(below[-1])]["era"]]
+    else:
+        reason = ("is not a tested release" if row is None else
+                  f"belongs to the '{row.get('era')}' era, which has no adapter yet")
         raise UnsupportedVersionError(
-            f"grpo_patches: TRL {version} is not a tested release; supported: {supported}. "
-            f"Install a supported release (pip install 'trl=={compat.tested_releases()[-1]}'), or set "
-            f"{ALLOW_UNKNOWN_ENV}=1 to try the nearest adapter at your own risk."
+            f"grpo_patches: TRL {version} {reason}; supported: {supported}. Install a supported release "
+            f"(pip install 'trl=={supported_releases()[-1]}'), or set {ALLOW_UNKNOWN_ENV}=1 to try the nearest "
+            f"adapter at your own risk."
         )
-    candidates = [a for a in ADAPTERS if a.covers(version)]
-    if not candidates and allow_unknown:
-        earlier = [a for a in ADAPTERS if any(Version(s.version) <= version for s in a.releases if s.operator == ">=")]
-        candidates = earlier[-1:]
-    if not candidates:
-        raise UnsupportedVersionError(
-            f"grpo_patches: no adapter covers TRL {version}; supported: {supported}."
-        )
-    adapter = candidates[0]
     problems = adapter.check()
     if problems:
         raise UnsupportedVersionError(

@@ -128,12 +128,19 @@ def score_batch(trainer: Any, batch: RewardBatch, group_ids: list[int], *, num_g
     n = len(batch)
     rewards = torch.zeros(n, len(trainer.reward_funcs))
     extras: dict[str, list[Any]] = {}
-    kwargs: dict[str, Any] = dict(batch.columns)
-    kwargs["trainer_state"] = trainer.state
-    kwargs["log_extra"] = lambda column, values: extras.setdefault(column, []).extend(values)
-    kwargs["log_metric"] = getattr(trainer, "_log_metric", lambda name, value: None)
+    columns: dict[str, Any] = dict(batch.columns)  # upstream passes the dataset columns in every era
+    # Passed only to functions that accept them: upstream added trainer_state (0.20), log_extra /
+    # log_metric (1.0) and environments later, and a reward function written for an older release
+    # (no **kwargs) must keep working; num_generations / group_ids are the kit's own.
+    optional: dict[str, Any] = {
+        "trainer_state": trainer.state,
+        "log_extra": lambda column, values: extras.setdefault(column, []).extend(values),
+        "log_metric": getattr(trainer, "_log_metric", lambda name, value: None),
+        "num_generations": num_generations,
+        "group_ids": group_ids,
+    }
     if with_environments and getattr(trainer, "environments", None) is not None:
-        kwargs["environments"] = trainer.environments
+        optional["environments"] = trainer.environments
     for i, (func, processing_class, name) in enumerate(
         zip(trainer.reward_funcs, trainer.reward_processing_classes, trainer.reward_func_names, strict=True)
     ):
@@ -147,14 +154,13 @@ def score_batch(trainer: Any, batch: RewardBatch, group_ids: list[int], *, num_g
                     bad = int((~torch.isfinite(values)).nonzero()[0, 0])
                     raise ValueError(f"reward model '{name}' gave {values[bad].item()} for completion {bad}")
                 continue
-            call_kwargs = {k: v for k, v in kwargs.items() if k not in ("num_generations", "group_ids")}
-            for extra, value in (("num_generations", num_generations), ("group_ids", group_ids)):
-                if _accepts(func, extra):
-                    call_kwargs[extra] = value
+            call_kwargs = dict(columns)
+            call_kwargs.update({k: v for k, v in optional.items() if _accepts(func, k)})
             out = func(prompts=batch.prompts, completions=batch.completions,
                        completion_ids=batch.completion_ids, **call_kwargs)
             if inspect.isawaitable(out):
-                loop = getattr(trainer, "async_loop", None)
+                # the loop is async_reward_loop in 0.27, async_loop from 0.28
+                loop = getattr(trainer, "async_loop", None) or getattr(trainer, "async_reward_loop", None)
                 out = (asyncio.run_coroutine_threadsafe(out, loop).result() if loop is not None
                        else asyncio.run(out))
             rewards[:, i] = torch.tensor(reward_column(out, n, name), dtype=torch.float32)

@@ -24,6 +24,7 @@ from typing import Any
 from packaging.specifiers import SpecifierSet
 
 from ..collectives import FailFastGroup
+from ..generation import enable_fast_generation, wrap_generate
 from ..grouping import RankLocalGroupSampler
 from ..options import active
 from . import Adapter
@@ -81,6 +82,8 @@ def _init(wrapped, instance, args, kwargs):
     if config is None:
         check_shape(shape, options, evaluates=evaluates)
     setattr(instance, STATE_ATTR, TrainerPatchState(options, FailFastGroup(options.collective_timeout), shape))
+    if options.fast_generation is not None:
+        enable_fast_generation(instance, options.fast_generation)
 
 
 def _get_train_sampler(wrapped, instance, args, kwargs):
@@ -103,9 +106,13 @@ def _calculate_rewards(wrapped, instance, args, kwargs):
         return wrapped(*args, **kwargs)
     inputs, prompts, completions, completion_ids_list = inspect.signature(wrapped).bind(*args, **kwargs).args
     training = instance.model.training
-    num_generations = instance.num_generations if training else instance.num_generations_eval
+    # num_generations_eval exists from TRL 0.26; before, eval used num_generations.
+    num_generations = instance.num_generations if training else (
+        getattr(instance, "num_generations_eval", None) or instance.num_generations)
+    # scale_rewards is a bool before 0.22 (True = per-group std) and "group"/"batch"/"none" after;
+    # multi_objective_aggregation exists from 0.27.
     global_stats = (
-        instance.scale_rewards == "batch"
+        getattr(instance, "scale_rewards", None) == "batch"
         or getattr(instance, "multi_objective_aggregation", "sum_then_normalize") == "normalize_then_sum"
     )
     return trl_layout_rewards(
@@ -116,24 +123,26 @@ def _calculate_rewards(wrapped, instance, args, kwargs):
 
 ADAPTER = Adapter(
     key="v019",
-    releases=SpecifierSet(">=1.16,<1.17"),
+    releases=SpecifierSet(">=0.19,<1.17"),
     module="trl.trainer.grpo_trainer",
     class_name="GRPOTrainer",
     wrappers={
         "__init__": _init,
         "_get_train_sampler": _get_train_sampler,
         "_calculate_rewards": _calculate_rewards,
+        "_generate_single_turn": wrap_generate,  # passes through unless fast_generation is on
     },
     signatures={
         "__init__": ("model", "reward_funcs", "args", "train_dataset", "eval_dataset", "processing_class",
                      "reward_processing_classes"),
         "_get_train_sampler": ("dataset",),
         "_calculate_rewards": ("inputs", "prompts", "completions", "completion_ids_list"),
+        "_generate_single_turn": ("prompt_ids",),
     },
     anchors={
         "_calculate_rewards": ("gather(rewards_per_func)",),
         "_generate_and_score_completions": (
-            "self._calculate_rewards(inputs, prompts, completions, completion_ids_list)",
+            "self._calculate_rewards(inputs, ",  # 0.20-0.23 pass a copy of the prompts second
             "advantages = advantages[process_slice]",
         ),
         "_get_train_sampler": ("RepeatSampler(",),

@@ -1,0 +1,172 @@
+"""Version matrix: one nox session per TRL release in ``grpo_patches/compat.json``, plus a canary.
+
+    nox -l                              # list sessions
+    nox -s trl-0.19.1                   # pytest -x -q tests/matrix against TRL 0.19.1's pinned set
+    nox -s trl-0.19.1 -- python -c "import trl; print(trl.__version__)"   # any command instead
+    nox                                 # every release in the table (same as: nox -t matrix)
+    nox -t v019                         # the releases of one adapter era
+    nox -s canary                       # the newest TRL on PyPI that is not in the table (if any)
+
+Each session builds a fresh uv venv (hard links from uv's cache: about 2 s per release once the cache
+is warm), installs CPU torch first (uncapped; torch is never part of the pinned set), then TRL and
+its pinned transformers / accelerate / peft / datasets with every other dependency capped at the
+day after that TRL release (``uv pip install --exclude-newer``: the same era-true resolve the table
+was made with), then this repo (editable, no deps) and the test tools.
+
+Environment variables:
+    GRPO_PATCHES_TORCH       torch to install: a wheel path or a requirement (default: the local
+                             torch-2.13.0+cpu wheel from pip's find-links, else torch==2.13.0 from
+                             the PyTorch CPU index)
+    GRPO_PATCHES_CANARY_TRL  the TRL release the canary installs (default: newest on PyPI)
+Every session exports GRPO_PATCHES_TRL_VERSION (the TRL release under test) to the command it runs.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).parent
+COMPAT = json.loads((ROOT / "grpo_patches" / "compat.json").read_text())
+PINNED = ("transformers", "accelerate", "peft", "datasets")
+TORCH_VERSION = "2.13.0"
+TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+# Test tools and the kit's own runtime deps (the repo itself is installed with --no-deps).
+TEST_DEPS = ("pytest>=8", "hypothesis>=6", "wrapt>=1.16", "packaging")
+# uv drops a requirement whose marker never holds: this takes torch out of the capped resolve, so the
+# torch installed first is kept (a date cap older than the torch wheel could not reach it otherwise).
+NO_TORCH = "torch; sys_platform == 'never'\n"
+DEFAULT_COMMAND = ("pytest", "-x", "-q", "tests/matrix")
+
+nox.options.default_venv_backend = "uv"
+nox.options.error_on_missing_interpreters = True
+
+
+def _find_links() -> list[str]:
+    """pip's find-links folders (env and config): where this machine keeps its local wheels."""
+    dirs = os.environ.get("PIP_FIND_LINKS", "").split()
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True, timeout=60
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        out = ""
+    for line in out.splitlines():
+        key, _, value = line.partition("=")
+        if key.endswith("find-links"):
+            dirs += value.strip().strip("'\"").split()
+    return [d.removeprefix("file://") for d in dict.fromkeys(dirs)]
+
+
+def _torch_args(session: nox.Session) -> list[str]:
+    explicit = os.environ.get("GRPO_PATCHES_TORCH")
+    if explicit:
+        return [explicit]
+    tag = f"cp{sys.version_info[0]}{sys.version_info[1]}"  # sessions run on nox's own interpreter
+    for folder in _find_links():
+        wheels = sorted(Path(folder).glob(f"torch-{TORCH_VERSION}+cpu-{tag}-{tag}-*.whl"))
+        if wheels:
+            return [str(wheels[-1])]
+    return [f"torch=={TORCH_VERSION}+cpu", "--extra-index-url", TORCH_CPU_INDEX]
+
+
+def _cap(released: str) -> str:
+    """The resolve cap: midnight UTC after the release day (a bare date means end of that day to uv)."""
+    day = datetime.date.fromisoformat(released) + datetime.timedelta(days=1)
+    return f"{day.isoformat()}T00:00:00Z"
+
+
+def _no_torch_override(session: nox.Session) -> str:
+    path = Path(session.create_tmp()) / "no-torch.txt"
+    path.write_text(NO_TORCH)
+    return str(path)
+
+
+def _install(session: nox.Session, trl: str, pins: dict[str, str] | None, cap: str | None) -> None:
+    session.install(*_torch_args(session))
+    requirements = [f"trl=={trl}", "peft", "datasets"]
+    if pins:
+        requirements = [f"trl=={trl}"] + [f"{name}=={pins[name]}" for name in PINNED]
+    capped = ["--exclude-newer", cap] if cap else []
+    session.install(*requirements, *capped, "--override", _no_torch_override(session))
+    session.install(*TEST_DEPS, "setuptools>=68")
+    # Build the editable install with the venv's setuptools: an isolated build env costs ~2 s a session.
+    session.install("--no-deps", "--no-build-isolation", "-e", ".")
+
+
+def _versions(session: nox.Session) -> None:
+    """Log what was installed, without importing it (importing trl costs ~10 s on a 2-core machine)."""
+    session.run(
+        "python",
+        "-c",
+        "from importlib.metadata import version as v; print(' '.join(f'{p}=={v(p)}' for p in "
+        "('trl', 'torch', 'transformers', 'accelerate', 'peft', 'datasets')))",
+        log=False,
+    )
+
+
+def _run(session: nox.Session, trl: str) -> None:
+    command = session.posargs or list(DEFAULT_COMMAND)
+    session.run(*command, env={"GRPO_PATCHES_TRL_VERSION": trl})
+
+
+def _matrix_session(trl: str, row: dict[str, str]) -> None:
+    @nox.session(name=f"trl-{trl}", tags=["matrix", row["era"]], reuse_venv=False)
+    def matrix(session: nox.Session) -> None:
+        _install(session, trl, {name: row[name] for name in PINNED}, _cap(row["released"]))
+        _versions(session)
+        _run(session, trl)
+
+    matrix.__doc__ = (
+        f"TRL {trl} ({row.get('era', '?')}) with transformers {row['transformers']}, "
+        f"accelerate {row['accelerate']}, peft {row['peft']}, datasets {row['datasets']}"
+    )
+
+
+for _trl, _row in COMPAT["supported"].items():
+    _matrix_session(_trl, _row)
+
+
+def _newest_trl(session: nox.Session) -> str:
+    forced = os.environ.get("GRPO_PATCHES_CANARY_TRL")
+    if forced:
+        return forced
+    wanted = Path(session.create_tmp()) / "newest-trl.in"
+    wanted.write_text("trl\n")
+    out = session.run(
+        "uv",
+        "pip",
+        "compile",
+        str(wanted),
+        "--no-header",
+        "--no-annotate",
+        "--python",
+        sys.executable,
+        silent=True,
+        log=False,
+        external=True,
+    )
+    found = re.search(r"^trl==(\S+)$", out or "", re.MULTILINE)
+    if not found:
+        session.error(f"could not find the newest trl on the index: {out!r}")
+    return found.group(1)
+
+
+@nox.session(tags=["canary"], reuse_venv=False, default=False)
+def canary(session: nox.Session) -> None:
+    """The newest TRL on PyPI that is not in compat.json, with today's dependencies (uncapped)."""
+    trl = _newest_trl(session)
+    if trl in COMPAT["supported"]:
+        session.skip(f"the newest trl ({trl}) is already in compat.json; nothing new to try")
+    session.log(f"canary: trl {trl} (not in compat.json), uncapped dependencies")
+    _install(session, trl, None, None)
+    session.env["GRPO_PATCHES_ALLOW_UNKNOWN"] = "1"  # let the registry try the nearest adapter
+    _versions(session)
+    _run(session, trl)

@@ -1,0 +1,477 @@
+"""Fast generation (compiled decoding, static cache, dropout off): correctness on CPU, fp32.
+
+The compiled path is exercised on CPU with ``force_compile=True`` and ``backend="aot_eager"``
+(dynamo capture + AOT functionalization, as on GPU; inductor's CPU code generation takes ~70 s for
+a 2-layer model, too slow here). Every compiled run counts its compilations and calls through a
+counting backend, so a silently eager "compiled" path cannot pass. Each equality is paired with
+the check that makes it meaningful (the adapter changes the tokens; the optimizer step changes the
+tokens; a new cache length does recompile; dropout does change the log-probs; a merge round trip
+does change the base weights).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from grpo_patches import generation
+from grpo_patches.generation import (
+    FAST_GEN_ATTR,
+    FastGenerationConfig,
+    enable_fast_generation,
+    fast_generate,
+    sampling_mode,
+)
+from tests.helpers import grpo_args, quiet, target_share, tiny_policy, tiny_tokenizer
+
+ALL_PROJ = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    quiet()
+    torch._dynamo.reset()
+    generation._warned.clear()
+    yield
+    torch._dynamo.reset()
+
+
+class Counting:
+    """A dynamo backend (aot_eager underneath) that counts compilations and compiled calls."""
+
+    def __init__(self):
+        self.compiles = 0
+        self.runs = 0
+
+    def backend(self):
+        def counting_backend(gm, example_inputs):
+            self.compiles += 1
+            compiled = torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+            def run(*args):
+                self.runs += 1
+                return compiled(*args)
+
+            return run
+
+        return counting_backend  # a function: CompileConfig deep-copies it as itself
+
+    def config(self, **kw):
+        return FastGenerationConfig(force_compile=True, backend=self.backend(), **kw)
+
+
+def lora_policy(seed=0, dropout=0.0, dtype=torch.float32):
+    from peft import LoraConfig, get_peft_model
+
+    model = tiny_policy(seed, max_position_embeddings=256)
+    peft = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=ALL_PROJ,
+                                            task_type="CAUSAL_LM"))
+    torch.manual_seed(seed + 1)
+    for name, p in peft.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.5)  # nonzero B: the adapter changes the output
+    return peft.to(dtype)
+
+
+def batch(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, n in enumerate(lengths):  # left-padded, like TRL
+        ids[i, width - n:] = torch.randint(4, 19, (n,), generator=g)
+        mask[i, width - n:] = 1
+    return ids, mask
+
+
+def greedy(new=12):
+    from transformers import GenerationConfig
+
+    # TRL's config shape (disable_compile=True), greedy; the model's EOS (1) still ends rows
+    return GenerationConfig(max_new_tokens=new, do_sample=False, pad_token_id=0, bos_token_id=2, eos_token_id=None,
+                            disable_compile=True)
+
+
+def eager_generate(model, ids, mask, **kw):
+    with torch.no_grad(), sampling_mode(model):
+        return model.generate(input_ids=ids, attention_mask=mask, generation_config=greedy(), **kw)
+
+
+# (1) compiled vs eager on the same weights ---------------------------------------------------------
+
+
+def test_compiled_greedy_equals_eager_fp32_tokens():
+    model = lora_policy()
+    counting = Counting()
+    config = counting.config()
+    for lengths in ([5, 9, 7, 3], [11, 4, 8, 6]):
+        ids, mask = batch(lengths, seed=sum(lengths))
+        eager = eager_generate(model, ids, mask)
+        fast = fast_generate(model, ids, mask, generation_config=greedy(), config=config)
+        assert torch.equal(fast, eager), lengths
+    assert counting.compiles == 1, "one compiled decode graph for both prompt lengths"
+    assert counting.runs >= 2 * 11, "every decode step after the prefill ran compiled"
+    # meaningful: the tokens depend on the LoRA adapter and are not degenerate
+    with model.disable_adapter():
+        base = eager_generate(model, ids, mask)
+    assert not torch.equal(base, eager)
+    assert len(set(eager[:, ids.shape[1]:].flatten().tolist())) > 3
+
+
+def test_compiled_bf16_logits_match_eager_within_tolerance():
+    model = lora_policy(dtype=torch.bfloat16)
+    ids, mask = batch([6, 9, 4, 8])
+    counting = Counting()
+    kw = dict(output_logits=True, return_dict_in_generate=True)
+    eager = eager_generate(model, ids, mask, **kw)
+    fast = fast_generate(model, ids, mask, generation_config=greedy(), config=counting.config(), **kw)
+    assert counting.compiles == 1 and counting.runs > 0
+    width = ids.shape[1]
+
+    def worst(a, b, seqs_a, seqs_b):
+        """Largest logit difference over the steps where both runs decoded the same prefix."""
+        diffs, compared = [], 0
+        for t in range(min(len(a.logits), len(b.logits))):
+            same = (seqs_a[:, width:width + t] == seqs_b[:, width:width + t]).all(dim=1)
+            if same.any():
+                diffs.append((a.logits[t][same].float() - b.logits[t][same].float()).abs().max())
+                compared += int(same.sum())
+        return max(diffs), compared
+
+    scale = max(lg.float().abs().max() for lg in eager.logits)
+    tol = 0.05 * scale + 2e-2  # bf16: a few ulps of the logits (measured: 0.008 at scale 0.4)
+    err, compared = worst(fast, eager, fast.sequences, eager.sequences)
+    assert compared >= 4 and err <= tol, (err, tol)
+    # meaningful: the adapter moves the logits by far more than the tolerance
+    with model.disable_adapter():
+        base = eager_generate(model, ids, mask, **kw)
+    err_base, _ = worst(base, eager, base.sequences, eager.sequences)
+    assert err_base > 5 * tol, (err_base, tol)
+
+
+def test_presized_cache_without_reuse_is_correct_and_compiles_once():
+    """max_prompt_length sizes the cache up front (bucket 1 would otherwise grow it per length);
+    reuse_cache=False lets transformers allocate a new static cache per call."""
+    model = lora_policy()
+    counting = Counting()
+    config = counting.config(bucket=1, max_prompt_length=16, reuse_cache=False)
+    for lengths in ([5, 9, 7, 3], [11, 4, 8, 13]):
+        ids, mask = batch(lengths, seed=len(lengths) + max(lengths))
+        fast = fast_generate(model, ids, mask, generation_config=greedy(), config=config)
+        assert torch.equal(fast, eager_generate(model, ids, mask)), lengths
+    assert counting.compiles == 1 and counting.runs > 0
+
+
+# (2) no stale weights after an optimizer step --------------------------------------------------------
+
+
+def test_compiled_path_uses_weights_changed_by_an_optimizer_step():
+    model = lora_policy()
+    ids, mask = batch([5, 9, 7, 3])
+    counting = Counting()
+    config = counting.config()
+    before = fast_generate(model, ids, mask, generation_config=greedy(), config=config)
+    assert torch.equal(before, eager_generate(model, ids, mask))
+    compiles = counting.compiles
+
+    # a real optimizer step on the LoRA weights (the base weights are frozen)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=0.05)
+    model.train()
+    targets = torch.randint(4, 19, before.shape, generator=torch.Generator().manual_seed(3))
+    full_mask = torch.cat([mask, torch.ones_like(before[:, ids.shape[1]:])], dim=1)
+    model(input_ids=before, attention_mask=full_mask, labels=targets).loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+    after_eager = eager_generate(model, ids, mask)
+    assert not torch.equal(after_eager, before), "the step must change greedy output, or staleness is invisible"
+    after_fast = fast_generate(model, ids, mask, generation_config=greedy(), config=config)
+    assert torch.equal(after_fast, after_eager)
+    assert counting.compiles == compiles, "the same compiled graph ran with the new weights"
+
+
+# Trainer-level tests ------------------------------------------------------------------------------
+
+
+def make_trainer(prompts, *, lora_dropout=0.05, **overrides):
+    from datasets import Dataset
+    from peft import LoraConfig
+    from trl import GRPOTrainer
+
+    fields = dict(max_steps=1, max_completion_length=8, shuffle_dataset=False)
+    fields.update(overrides)
+    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=lora_dropout, target_modules=ALL_PROJ, task_type="CAUSAL_LM")
+    trainer = GRPOTrainer(model=tiny_policy(max_position_embeddings=256), reward_funcs=[target_share],
+                          args=grpo_args(**fields), train_dataset=Dataset.from_list([{"prompt": p} for p in prompts]),
+                          processing_class=tiny_tokenizer(), peft_config=lora)
+    torch.manual_seed(11)
+    for name, p in trainer.model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.5)
+    return trainer
+
+
+WORDS = ["a", "b", "c", "d", "e", "f", "g", "h", "say", "the", "letter", "please", "now", "and", "or"]
+# one prompt per step (batch 4 = one group of 4); lengths 3, 6, 9, 5 tokens
+VARIED = [" ".join(WORDS[:n]) for n in (3, 6, 9, 5)]
+
+
+# (3) no recompilation after warm-up over steps with different prompt lengths ----------------------
+
+
+def _train_and_count(bucket):
+    counting = Counting()
+    trainer = make_trainer(VARIED, max_steps=4, gradient_checkpointing=True)  # TRL's default is on
+    state = enable_fast_generation(trainer, counting.config(bucket=bucket))
+    seen, caches = [], []
+    original = trainer._tokenize_prompts
+    trainer._tokenize_prompts = lambda prompts: (out := original(prompts), seen.append(len(out[0][0])))[0]
+    get = state.pool.get
+    state.pool.get = lambda *a: (cache := get(*a), caches.append(cache))[0]
+    trainer.train()
+    return trainer, state, counting, seen, caches
+
+
+def test_no_recompilation_across_steps_with_different_prompt_lengths():
+    trainer, state, counting, seen, caches = _train_and_count(bucket=16)
+    assert seen == [3, 6, 9, 5], "the steps must see different prompt lengths"
+    assert state.calls == 4 and state.compiled
+    assert counting.compiles == 1 and state.graphs_after_first_call == 0
+    assert counting.runs >= 4 * 6, "decoding ran compiled at every step"
+    # one static cache, reset in place at every step: stable addresses for CUDA graphs
+    assert len(caches) == 4 and all(c is caches[0] for c in caches)
+    assert caches[0].layers[0].max_cache_len == 16 + 8
+    # the run did contain the upstream condition that would otherwise recompile at every step:
+    # gradient checkpointing's input hooks pile up on the embeddings (TRL toggles it per generation)
+    embeddings = trainer.model.get_input_embeddings()
+    assert len(embeddings._forward_hooks) >= 4
+    # meaningful: an unbucketed cache (length = prompt + new tokens, as transformers sizes it)
+    # recompiles when a longer prompt arrives
+    _, state1, counting1, _, _ = _train_and_count(bucket=1)
+    assert counting1.compiles == 3 and state1.graphs_after_first_call == 2  # 3 -> 6 -> 9 tokens
+
+
+# (4) + (5): sampling log-probs vs TRL's recomputation; base weights untouched ----------------------
+
+
+@pytest.fixture(scope="module")
+def recorded():
+    """A trainer (LoRA dropout 0.05, temperature 0.7) sampling once through the compiled wrapper."""
+    quiet()
+    torch._dynamo.reset()
+    counting = Counting()
+    trainer = make_trainer(VARIED, temperature=0.7, max_completion_length=10)
+    state = enable_fast_generation(trainer, counting.config(record_sampling_logprobs=True))
+    model = trainer.model
+    model.train()
+    flags = {name: m.training for name, m in model.named_modules()}
+    snapshot = {name: p.detach().clone() for name, p in model.named_parameters()}
+    generation_config = trainer.generation_config
+    torch.manual_seed(5)
+    out = trainer._generate([VARIED[1]] * 4)
+    return dict(trainer=trainer, state=state, counting=counting, out=out, flags=flags, snapshot=snapshot,
+                generation_config=generation_config)
+
+
+def _trl_logps(trainer, prompt_ids_list, completion_ids_list):
+    from trl.trainer.utils import pad
+
+    pad_id = trainer.processing_class.pad_token_id
+    prompt = pad([torch.tensor(x) for x in prompt_ids_list], padding_value=pad_id, padding_side="left")
+    pmask = pad([torch.ones(len(x), dtype=torch.long) for x in prompt_ids_list], padding_value=0, padding_side="left")
+    completion = pad([torch.tensor(x) for x in completion_ids_list], padding_value=pad_id, padding_side="right")
+    cmask = pad([torch.ones(len(x), dtype=torch.long) for x in completion_ids_list], padding_value=0,
+                padding_side="right")
+    with torch.no_grad():
+        logps, _, _ = trainer._get_per_token_logps_and_entropies(
+            trainer.model, torch.cat([prompt, completion], 1), torch.cat([pmask, cmask], 1), completion.size(1))
+    return logps, cmask.bool()
+
+
+def test_sampling_logprobs_agree_with_trl_recomputed_logprobs(recorded):
+    trainer, state = recorded["trainer"], recorded["state"]
+    prompt_ids_list, completion_ids_list = recorded["out"][0], recorded["out"][1]
+    assert state.compiled and recorded["counting"].runs > 0
+    sampled = state.last_sampling_logprobs
+    assert [len(r) for r in sampled] == [len(c) for c in completion_ids_list]
+    assert sum(len(c) for c in completion_ids_list) >= 8
+    rec = torch.zeros(len(sampled), max(len(r) for r in sampled))
+    for i, row in enumerate(sampled):
+        rec[i, :len(row)] = torch.tensor(row)
+
+    model = trainer.model
+    with sampling_mode(model):  # TRL's recomputation with dropout off: the sampling policy
+        logps_eval, mask = _trl_logps(trainer, prompt_ids_list, completion_ids_list)
+    err = (logps_eval - rec)[mask].abs().max().item()
+    assert err < 1e-4, err
+    # meaningful: the same recomputation with LoRA dropout on (training mode) differs, so the test
+    # would catch sampling with dropout, and temperature / position errors move it further still
+    model.train()
+    torch.manual_seed(0)
+    logps_train, _ = _trl_logps(trainer, prompt_ids_list, completion_ids_list)
+    assert (logps_train - rec)[mask].abs().max().item() > 1e-3
+
+
+def test_generation_leaves_weights_and_trainer_state_as_they_were(recorded):
+    trainer, snapshot = recorded["trainer"], recorded["snapshot"]
+    params = dict(trainer.model.named_parameters())
+    base = [n for n in snapshot if "lora_" not in n]
+    assert base and all(torch.equal(params[n], snapshot[n]) for n in snapshot)  # bit-identical, LoRA too
+    assert trainer.generation_config is recorded["generation_config"]  # TRL's own object, unchanged
+    assert trainer.generation_config.disable_compile is True
+    assert trainer.pad_to_multiple_of is None
+    assert {n: m.training for n, m in trainer.model.named_modules()} == recorded["flags"]
+
+
+def test_a_lora_merge_round_trip_would_change_base_weights():
+    """Why the fast path never merges: W + BA*s - BA*s is not W bit for bit."""
+    model = lora_policy()
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" not in n}
+    model.merge_adapter()
+    model.unmerge_adapter()
+    after = dict(model.named_parameters())
+    changed = [n for n in before if not torch.equal(before[n], after[n])]
+    assert changed, "the bit-identity check would not detect a merge"
+
+
+# Bucketing, dropout, CPU fallback ---------------------------------------------------------------
+
+
+def test_left_padding_to_a_bucket_gives_identical_greedy_tokens_fp32():
+    model = lora_policy()
+    ids, mask = batch([5, 9, 7, 3])
+    eager = eager_generate(model, ids, mask)
+    padded = fast_generate(model, ids, mask, generation_config=greedy(),
+                           config=FastGenerationConfig(compile=False, pad_prompts=True, bucket=16))
+    assert padded.shape[1] == 16 + 12
+    assert torch.equal(padded[:, 16:], eager[:, ids.shape[1]:])
+    # meaningful: the same pads, attended (mask 1), change the tokens
+    wide = torch.cat([torch.zeros(4, 16 - ids.shape[1], dtype=torch.long), ids], 1)
+    attended = eager_generate(model, wide, torch.ones_like(wide))
+    assert not torch.equal(attended[:, 16:], eager[:, ids.shape[1]:])
+
+
+def test_trainer_with_bucketed_prompts_compiled_matches_upstream_greedy():
+    """pad_prompts through TRL's own pad_to_multiple_of, compiled, vs stock TRL eager (greedy)."""
+    prompts = [VARIED[0], VARIED[2], VARIED[3], VARIED[1]]
+    stock = make_trainer(VARIED, lora_dropout=0.0, generation_kwargs={"do_sample": False})
+    stock.model.eval()  # dropout is 0 here; eval only so stock and fast see the same modules
+    expected = stock._generate(prompts)[1]
+    fast = make_trainer(VARIED, lora_dropout=0.0, generation_kwargs={"do_sample": False})
+    counting = Counting()
+    enable_fast_generation(fast, counting.config(pad_prompts=True, bucket=16))
+    fast.model.eval()
+    assert fast._generate(prompts)[1] == expected
+    assert counting.compiles == 1 and counting.runs > 0
+    assert any(len(c) > 1 for c in expected), "completions long enough to compare"
+
+
+def test_cpu_without_force_warns_once_runs_eager_with_dropout_off():
+    trainer = make_trainer(VARIED)
+    state = enable_fast_generation(trainer, True)
+    model = trainer.model
+    model.train()
+    seen = []
+    dropout = next(m for n, m in model.named_modules() if n.endswith("lora_dropout.default"))
+    dropout.register_forward_pre_hook(lambda m, a: seen.append(m.training))
+    with pytest.warns(RuntimeWarning, match="runs eagerly"):
+        trainer._generate([VARIED[0]] * 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        trainer._generate([VARIED[1]] * 4)
+    assert state.compiled is False and state.calls == 2 and "cpu" in state.reason
+    assert seen and not any(seen), "LoRA dropout was on while sampling"
+    assert dropout.training and model.training, "training flags restored"
+    seen.clear()
+    model(input_ids=torch.tensor([[5, 6, 7]]))
+    assert seen == [True], "the loss's forward keeps LoRA dropout"
+
+
+def test_disabled_and_config_coercion():
+    assert FastGenerationConfig.coerce(False) is None and FastGenerationConfig.coerce(None) is None
+    assert FastGenerationConfig.coerce(True) == FastGenerationConfig()
+    assert FastGenerationConfig.coerce({"bucket": 32}).bucket == 32
+    with pytest.raises(ValueError):
+        FastGenerationConfig(bucket=0)
+    with pytest.raises(TypeError):
+        FastGenerationConfig.coerce("fast")
+    trainer = make_trainer(VARIED)
+    enable_fast_generation(trainer, True)
+    enable_fast_generation(trainer, False)
+    assert not hasattr(trainer, FAST_GEN_ATTR)
+    trainer._generate([VARIED[0]] * 4)  # wrapper present, state gone: upstream path
+
+
+def test_class_level_wrap_as_apply_installs_it():
+    """What the adapter does: wrap GRPOTrainer._generate_single_turn once; enable per trainer."""
+    import wrapt
+    from trl import GRPOTrainer
+
+    original = GRPOTrainer.__dict__["_generate_single_turn"]
+    wrapt.wrap_function_wrapper(GRPOTrainer, "_generate_single_turn", generation.wrap_generate)
+    try:
+        assert generation._class_wrapped(GRPOTrainer)
+        trainer = make_trainer(VARIED)
+        counting = Counting()
+        state = enable_fast_generation(trainer, counting.config())
+        assert "_generate_single_turn" not in vars(trainer), "no second, instance-level wrapper"
+        trainer._generate([VARIED[2]] * 4)
+        assert state.calls == 1 and counting.compiles == 1 and counting.runs > 0
+        plain = make_trainer(VARIED)  # built without fast generation: upstream path, no state
+        plain._generate([VARIED[2]] * 4)
+        assert not hasattr(plain, FAST_GEN_ATTR) and counting.compiles == 1
+    finally:
+        GRPOTrainer._generate_single_turn = original
+    assert GRPOTrainer.__dict__["_generate_single_turn"] is original
+
+
+# GPU: the real backend (inductor + CUDA graphs), skipped without CUDA ---------------------------------
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (inductor + CUDA graphs path)")
+
+
+def _counts():
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"], counters["inductor"]["cudagraph_skips"]
+
+
+@gpu
+@pytest.mark.slow
+def test_gpu_default_config_equals_eager_no_stale_weights_no_recompile():
+    model = lora_policy().cuda()
+    config = FastGenerationConfig()  # inductor, reduce-overhead (CUDA graphs), static, bucket 64
+    graphs0, skips0 = _counts()
+    warm = None
+    for step, lengths in enumerate(([5, 9, 7, 3], [11, 4, 8, 6], [2, 13, 9, 9])):
+        ids, mask = (t.cuda() for t in batch(lengths, seed=step))
+        fast = fast_generate(model, ids, mask, generation_config=greedy(), config=config)
+        assert torch.equal(fast, eager_generate(model, ids, mask)), lengths
+        warm = warm if warm is not None else _counts()[0]
+    assert _counts()[0] == warm > graphs0, "no recompilation after the first call"
+    # optimizer step, then the same graph must use the new weights
+    before = fast_generate(model, ids, mask, generation_config=greedy(), config=config)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.05)
+    model.train()
+    model(input_ids=before, labels=torch.randint(4, 19, before.shape, device="cuda")).loss.backward()
+    opt.step()
+    after_eager = eager_generate(model, ids, mask)
+    assert not torch.equal(after_eager, before)
+    assert torch.equal(fast_generate(model, ids, mask, generation_config=greedy(), config=config), after_eager)
+    assert _counts() == (warm, skips0), "no recompilation, no CUDA-graph skip"
+
+
+@gpu
+@pytest.mark.slow
+def test_gpu_trainer_steps_compile_once():
+    trainer = make_trainer(VARIED, max_steps=4, gradient_checkpointing=True, use_cpu=False)
+    state = enable_fast_generation(trainer, True)
+    _, skips0 = _counts()
+    trainer.train()
+    assert state.compiled and state.calls == 4
+    assert state.graphs_compiled >= 1 and state.graphs_after_first_call == 0
+    assert len(state.pool.caches) == 1
+    assert _counts()[1] == skips0, "no CUDA-graph skip"
