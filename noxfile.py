@@ -161,12 +161,30 @@ def _newest_trl(session: nox.Session) -> str:
 
 @nox.session(tags=["canary"], reuse_venv=False, default=False)
 def canary(session: nox.Session) -> None:
-    """The newest TRL on PyPI that is not in compat.json, with today's dependencies (uncapped)."""
+    """The newest TRL on PyPI that is not in compat.json, with today's dependencies (uncapped).
+
+    Expected outcome: apply() refuses it clearly (strict). With GRPO_PATCHES_CANARY_INVARIANTS=1 the
+    invariants also run against it through the nearest adapter (GRPO_PATCHES_ALLOW_UNKNOWN=1), so a
+    maintainer learns at once whether the release can be added to the table.
+    """
     trl = _newest_trl(session)
     if trl in COMPAT["supported"]:
         session.skip(f"the newest trl ({trl}) is already in compat.json; nothing new to try")
     session.log(f"canary: trl {trl} (not in compat.json), uncapped dependencies")
     _install(session, trl, None, None)
-    session.env["GRPO_PATCHES_ALLOW_UNKNOWN"] = "1"  # let the registry try the nearest adapter
     _versions(session)
-    _run(session, trl)
+    session.run("python", "-c", CANARY_REFUSAL, env={"GRPO_PATCHES_ALLOW_UNKNOWN": "0"})
+    if os.environ.get("GRPO_PATCHES_CANARY_INVARIANTS") == "1":
+        session.env["GRPO_PATCHES_ALLOW_UNKNOWN"] = "1"  # let the registry try the nearest adapter
+        _run(session, trl)
+
+
+CANARY_REFUSAL = """
+import grpo_patches
+try:
+    grpo_patches.apply()
+except grpo_patches.UnsupportedVersionError as exc:
+    print("refused as expected:", exc)
+else:
+    raise SystemExit("an unknown TRL release was patched without GRPO_PATCHES_ALLOW_UNKNOWN=1")
+"""

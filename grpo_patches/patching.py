@@ -25,7 +25,7 @@ def patch(adapter: Adapter) -> AppliedPatch:
     cls = adapter.target_class()
     applied = AppliedPatch(adapter, cls)
     try:
-        for name, wrapper in adapter.wrappers.items():
+        for name, wrapper in adapter.available().items():
             # The class's own attribute (the function object, not a bound method): what revert restores.
             applied.originals[name] = cls.__dict__.get(name, _MISSING)
             wrapt.wrap_function_wrapper(cls, name, wrapper)

@@ -72,7 +72,7 @@ def select(version: Version) -> Adapter:
     allow_unknown = os.environ.get(ALLOW_UNKNOWN_ENV) == "1"
     row = _tested_row(version)
     by_key = {a.key: a for a in ADAPTERS}
-    if row is not None and row.get("era") in by_key:
+    if row is not None and row.get("era") in by_key and by_key[row["era"]].covers(version):
         adapter = by_key[row["era"]]
     elif allow_unknown:
         # the adapter of the nearest supported release below this one

@@ -83,6 +83,11 @@ def _init(wrapped, instance, args, kwargs):
         check_shape(shape, options, evaluates=evaluates)
     setattr(instance, STATE_ATTR, TrainerPatchState(options, FailFastGroup(options.collective_timeout), shape))
     if options.fast_generation is not None:
+        if "_generate_single_turn" not in ADAPTER.available():
+            raise ValueError(
+                "grpo_patches: fast_generation=True needs GRPOTrainer._generate_single_turn(prompt_ids, ...), which "
+                "TRL has from 0.29 on; upgrade TRL or drop fast_generation."
+            )
         enable_fast_generation(instance, options.fast_generation)
 
 
@@ -147,5 +152,6 @@ ADAPTER = Adapter(
         ),
         "_get_train_sampler": ("RepeatSampler(",),
     },
+    optional=frozenset({"_generate_single_turn"}),  # from TRL 0.29; fast_generation needs it
     summary="RepeatSampler + _calculate_rewards + steps_per_generation",
 )

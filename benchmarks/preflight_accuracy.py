@@ -1,0 +1,58 @@
+"""Preflight's predicted peak vs the peaks measured by bench_grpo.py on GPU (same configurations).
+
+    python benchmarks/preflight_accuracy.py > benchmarks/results/2026-11-29-h200-x2-grpo/preflight_accuracy.md
+
+Reads the measured records (``results.jsonl`` / merged parts) of the runs below and predicts each
+(variant, rank) with :func:`grpo_patches.preflight` on the meta device.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+GiB = 2**30
+RUNS = [ROOT / "benchmarks/results/2026-11-29-h200-x2-grpo/results.jsonl"]
+
+
+def main() -> None:
+    warnings.filterwarnings("ignore")
+    from transformers import Qwen2Config
+
+    from bench_grpo import POLICIES, PROMPT_WORDS
+    from grpo_patches.preflight import preflight
+
+    print("| run | policy | completion | grad ckpt | variant | rank | predicted peak GiB | measured peak GiB "
+          "| measured above start GiB | error vs measured |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for path in RUNS:
+        for line in path.read_text().splitlines():
+            r = json.loads(line)
+            if not r.get("peak_allocated_bytes"):
+                continue
+            policy = Qwen2Config(**POLICIES[r["policy"]])
+            rm = Qwen2Config(**POLICIES["0.5b"])
+            placement = "main" if r["variant"] == "patched-main" else "local"
+            report = preflight(
+                policy,
+                grpo_config=dict(per_device_train_batch_size=r.get("per_device_batch", 8),
+                                 num_generations=r.get("num_generations", 8),
+                                 max_completion_length=r["completion_len"], steps_per_generation=1,
+                                 gradient_accumulation_steps=1, gradient_checkpointing=r["grad_ckpt"] == "on"),
+                world_size=r["world_size"], gpu_memory_gb=141, reward_models=[rm], reward_placement=placement,
+                prompt_length=PROMPT_WORDS + 2, raise_on_error=False, warn=False,
+            )
+            predicted = report.ranks[r["rank"]].peak / GiB
+            measured = r["peak_allocated_bytes"] / GiB
+            own = (r["peak_allocated_bytes"] - r.get("base_allocated_bytes", 0)) / GiB
+            print(f"| {path.parent.name} | {r['policy']} | {r['completion_len']} | {r['grad_ckpt']} | {r['variant']} | "
+                  f"{r['rank']} | {predicted:.2f} | {measured:.2f} | {own:.2f} | {100 * (predicted / measured - 1):+.1f}% |")
+
+
+if __name__ == "__main__":
+    main()
