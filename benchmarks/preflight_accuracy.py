@@ -22,9 +22,9 @@ RUNS = [ROOT / "benchmarks/results/2026-11-29-h200-x2-grpo/results.jsonl"]
 
 def main() -> None:
     warnings.filterwarnings("ignore")
+    from bench_grpo import POLICIES, PROMPT_WORDS
     from transformers import Qwen2Config
 
-    from bench_grpo import POLICIES, PROMPT_WORDS
     from grpo_patches.preflight import preflight
 
     print("| run | policy | completion | grad ckpt | variant | rank | predicted peak GiB | measured peak GiB "
