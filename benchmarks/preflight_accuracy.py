@@ -1,6 +1,10 @@
 """Preflight's predicted peak vs the peaks measured by bench_grpo.py on GPU (same configurations).
 
-    python benchmarks/preflight_accuracy.py > benchmarks/results/2026-11-29-h200-x2-grpo/preflight_accuracy.md
+    python benchmarks/preflight_accuracy.py > benchmarks/results/2026-11-29-h200-preflight/preflight_accuracy.md
+
+The 1.5B runs: ``accelerate launch --num_processes 1 --mixed_precision bf16 benchmarks/bench_grpo.py
+--policy 1.5b --grad-ckpt {off,on} --variants stock --steps 1 --warmup 1 --completion-len 128`` on
+one H200.
 
 Reads the measured records (``results.jsonl`` / merged parts) of the runs below and predicts each
 (variant, rank) with :func:`grpo_patches.preflight` on the meta device.
@@ -17,7 +21,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 GiB = 2**30
-RUNS = [ROOT / "benchmarks/results/2026-11-29-h200-x2-grpo/results.jsonl"]
+RUNS = [ROOT / "benchmarks/results/2026-11-29-h200-x2-grpo/results.jsonl",
+        ROOT / "benchmarks/results/2026-11-29-h200-preflight/results_1.5b_ckpt_off.jsonl",
+        ROOT / "benchmarks/results/2026-11-29-h200-preflight/results_1.5b_ckpt_on.jsonl"]
 
 
 def main() -> None:
@@ -50,7 +56,7 @@ def main() -> None:
             predicted = report.ranks[r["rank"]].peak / GiB
             measured = r["peak_allocated_bytes"] / GiB
             own = (r["peak_allocated_bytes"] - r.get("base_allocated_bytes", 0)) / GiB
-            print(f"| {path.parent.name} | {r['policy']} | {r['completion_len']} | {r['grad_ckpt']} | {r['variant']} | "
+            print(f"| {path.name} | {r['policy']} | {r['completion_len']} | {r['grad_ckpt']} | {r['variant']} | "
                   f"{r['rank']} | {predicted:.2f} | {measured:.2f} | {own:.2f} | {100 * (predicted / measured - 1):+.1f}% |")
 
 
