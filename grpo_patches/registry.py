@@ -17,12 +17,13 @@ from packaging.version import Version
 
 from . import compat
 from .targets import Adapter
+from .targets.trl_inline import V015, V016, V017, V018
 from .targets.trl_v019 import ADAPTER as TRL_V019
 
 __all__ = ["ADAPTERS", "NothingToPatch", "UnsupportedVersionError", "installed_trl_version", "select",
            "supported_range", "supported_releases"]
 
-ADAPTERS: tuple[Adapter, ...] = (TRL_V019,)
+ADAPTERS: tuple[Adapter, ...] = (V015, V016, V017, V018, TRL_V019)
 ALLOW_UNKNOWN_ENV = "GRPO_PATCHES_ALLOW_UNKNOWN"
 
 

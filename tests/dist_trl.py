@@ -55,7 +55,9 @@ def first_generation(trainer, seed=123):
     batch = next(iter(trainer.get_train_dataloader()))
     trainer.model.train()
     torch.manual_seed(seed)
-    out = trainer._generate_and_score_completions(batch)
+    # TRL 0.15 generates and scores inside _prepare_inputs; later releases in _generate_and_score_completions
+    generate = getattr(trainer, "_generate_and_score_completions", None) or trainer._prepare_inputs
+    out = generate(batch)
     return batch, out
 
 

@@ -17,8 +17,9 @@ import torch
 from torch import nn
 
 from ..collectives import FailFastGroup
+from ..generation import enable_fast_generation
 from ..grouping import check_group_shape
-from ..options import PatchOptions
+from ..options import PatchOptions, active
 from ..rewards import RewardBatch, Scored, compute_rewards, reward_column, validate_chunk_size
 
 logger = logging.getLogger("grpo_patches")
@@ -68,6 +69,59 @@ def check_shape(shape: GroupShape, options: PatchOptions, *, evaluates: bool) ->
         validate_chunk_size(options.reward_chunk_size, shape.num_generations_eval, name="num_generations_eval")
 
 
+def init_wrapper(shape_of: Callable[[Any], GroupShape], *,
+                 fast_generation_available: Callable[[], bool] = lambda: False) -> Callable:
+    """The ``GRPOTrainer.__init__`` wrapper of every era; ``shape_of`` reads the era's config fields.
+
+    Before TRL builds anything: reject a batch shape that would split a group; under main
+    placement refuse what cannot work (environments, DeepSpeed) and keep reward models off the
+    other ranks. After: attach the trainer's options and fail-fast group.
+    """
+
+    def _init(wrapped, instance, args, kwargs):
+        options = active()
+        if options is None:
+            return wrapped(*args, **kwargs)
+        bound = inspect.signature(wrapped).bind(*args, **kwargs)
+        config = bound.arguments.get("args")
+        evaluates = bound.arguments.get("eval_dataset") is not None
+        if config is not None:
+            check_shape(shape_of(config), options, evaluates=evaluates)
+        if options.fast_generation is not None and not fast_generation_available():
+            raise ValueError(
+                "grpo_patches: fast_generation=True needs GRPOTrainer._generate_single_turn(prompt_ids, ...), which "
+                "TRL has from 0.29 on; upgrade TRL or drop fast_generation."
+            )
+        if options.reward_placement == "main":
+            from accelerate import PartialState
+            from accelerate.utils import DistributedType
+
+            state = PartialState()
+            if bound.arguments.get("environment_factory") is not None:
+                raise ValueError(
+                    "grpo_patches: reward_placement='main' cannot be used with environment_factory: environments "
+                    "are per-rank objects that cannot be sent to the main process. Use reward_placement='local'."
+                )
+            if state.distributed_type == DistributedType.DEEPSPEED:
+                raise ValueError(
+                    "grpo_patches: reward_placement='main' cannot be used with DeepSpeed: TRL initializes reward "
+                    "models with deepspeed.initialize, a collective every rank must join. Use "
+                    "reward_placement='local', or FSDP/DDP."
+                )
+            bound.arguments["reward_funcs"] = main_only_reward_funcs(
+                bound.arguments.get("reward_funcs"), state.is_main_process
+            )
+        wrapped(*bound.args, **bound.kwargs)
+        shape = shape_of(instance.args)
+        if config is None:
+            check_shape(shape, options, evaluates=evaluates)
+        setattr(instance, STATE_ATTR, TrainerPatchState(options, FailFastGroup(options.collective_timeout), shape))
+        if options.fast_generation is not None:
+            enable_fast_generation(instance, options.fast_generation)
+
+    return _init
+
+
 def _placeholder(name: str, index: int) -> Callable:
     def reward_model_on_main_process(*args: Any, **kwargs: Any) -> list[float]:
         raise RuntimeError(
@@ -113,8 +167,11 @@ def _accepts(func: Callable, name: str) -> bool:
 
 
 def score_batch(trainer: Any, batch: RewardBatch, group_ids: list[int], *, num_generations: int,
-                with_environments: bool, progress: dict[str, str] | None = None) -> Scored:
+                with_environments: bool, progress: dict[str, str] | None = None,
+                funcs: list[tuple[Any, Any, str]] | None = None) -> Scored:
     """TRL's reward loop for one chunk: every reward function / model on ``batch``.
+
+    ``funcs``: ``(function or model, processing class, name)`` triples; default the trainer's.
 
     Same calls as upstream (``prompts``, ``completions``, ``completion_ids``, the dataset columns,
     ``trainer_state``, ``log_extra``, ``log_metric``), plus ``num_generations`` and ``group_ids``
@@ -125,8 +182,11 @@ def score_batch(trainer: Any, batch: RewardBatch, group_ids: list[int], *, num_g
     device = trainer.accelerator.device
     if device.type == "cuda":  # this runs in the watchdog's thread, whose current device is cuda:0
         torch.cuda.set_device(device)
+    if funcs is None:
+        funcs = list(zip(trainer.reward_funcs, trainer.reward_processing_classes, trainer.reward_func_names,
+                         strict=True))
     n = len(batch)
-    rewards = torch.zeros(n, len(trainer.reward_funcs))
+    rewards = torch.zeros(n, len(funcs))
     extras: dict[str, list[Any]] = {}
     columns: dict[str, Any] = dict(batch.columns)  # upstream passes the dataset columns in every era
     # Passed only to functions that accept them: upstream added trainer_state (0.20), log_extra /
@@ -141,9 +201,7 @@ def score_batch(trainer: Any, batch: RewardBatch, group_ids: list[int], *, num_g
     }
     if with_environments and getattr(trainer, "environments", None) is not None:
         optional["environments"] = trainer.environments
-    for i, (func, processing_class, name) in enumerate(
-        zip(trainer.reward_funcs, trainer.reward_processing_classes, trainer.reward_func_names, strict=True)
-    ):
+    for i, (func, processing_class, name) in enumerate(funcs):
         if progress is not None:
             progress["now"] = f"reward function '{name}'"
         try:

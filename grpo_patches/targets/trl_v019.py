@@ -23,19 +23,10 @@ from typing import Any
 
 from packaging.specifiers import SpecifierSet
 
-from ..collectives import FailFastGroup
-from ..generation import enable_fast_generation, wrap_generate
+from ..generation import wrap_generate
 from ..grouping import RankLocalGroupSampler
-from ..options import active
 from . import Adapter
-from .trl_glue import (
-    STATE_ATTR,
-    GroupShape,
-    TrainerPatchState,
-    check_shape,
-    main_only_reward_funcs,
-    trl_layout_rewards,
-)
+from .trl_glue import STATE_ATTR, GroupShape, init_wrapper, trl_layout_rewards
 
 
 def _shape(config: Any) -> GroupShape:
@@ -49,46 +40,11 @@ def _shape(config: Any) -> GroupShape:
     )
 
 
-def _init(wrapped, instance, args, kwargs):
-    options = active()
-    if options is None:
-        return wrapped(*args, **kwargs)
-    bound = inspect.signature(wrapped).bind(*args, **kwargs)
-    config = bound.arguments.get("args")
-    evaluates = bound.arguments.get("eval_dataset") is not None
-    if config is not None:
-        check_shape(_shape(config), options, evaluates=evaluates)
-    if options.reward_placement == "main":
-        from accelerate import PartialState
-        from accelerate.utils import DistributedType
+def _fast_generation_available() -> bool:
+    return "_generate_single_turn" in ADAPTER.available()
 
-        state = PartialState()
-        if bound.arguments.get("environment_factory") is not None:
-            raise ValueError(
-                "grpo_patches: reward_placement='main' cannot be used with environment_factory: environments "
-                "are per-rank objects that cannot be sent to the main process. Use reward_placement='local'."
-            )
-        if state.distributed_type == DistributedType.DEEPSPEED:
-            raise ValueError(
-                "grpo_patches: reward_placement='main' cannot be used with DeepSpeed: TRL initializes reward "
-                "models with deepspeed.initialize, a collective every rank must join. Use "
-                "reward_placement='local', or FSDP/DDP."
-            )
-        bound.arguments["reward_funcs"] = main_only_reward_funcs(
-            bound.arguments.get("reward_funcs"), state.is_main_process
-        )
-    wrapped(*bound.args, **bound.kwargs)
-    shape = _shape(instance.args)
-    if config is None:
-        check_shape(shape, options, evaluates=evaluates)
-    setattr(instance, STATE_ATTR, TrainerPatchState(options, FailFastGroup(options.collective_timeout), shape))
-    if options.fast_generation is not None:
-        if "_generate_single_turn" not in ADAPTER.available():
-            raise ValueError(
-                "grpo_patches: fast_generation=True needs GRPOTrainer._generate_single_turn(prompt_ids, ...), which "
-                "TRL has from 0.29 on; upgrade TRL or drop fast_generation."
-            )
-        enable_fast_generation(instance, options.fast_generation)
+
+_init = init_wrapper(_shape, fast_generation_available=_fast_generation_available)
 
 
 def _get_train_sampler(wrapped, instance, args, kwargs):
