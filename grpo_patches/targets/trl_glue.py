@@ -18,7 +18,7 @@ from torch import nn
 
 from ..collectives import FailFastGroup
 from ..generation import enable_fast_generation
-from ..grouping import check_group_shape
+from ..grouping import RankLocalGroupSampler, check_group_shape
 from ..options import PatchOptions, active
 from ..rewards import RewardBatch, Scored, compute_rewards, reward_column, validate_chunk_size
 
@@ -120,6 +120,27 @@ def init_wrapper(shape_of: Callable[[Any], GroupShape], *,
             enable_fast_generation(instance, options.fast_generation)
 
     return _init
+
+
+def sampler_wrapper(shape_of: Callable[[Any], GroupShape], repeats: Callable[[Any], int]) -> Callable:
+    """The ``_get_train_sampler`` wrapper of every era: :class:`RankLocalGroupSampler` sized like the
+    era's own sampler (``repeats``: how often the era replays one generation round's prompts)."""
+    def _get_train_sampler(wrapped, instance, args, kwargs):
+        if not hasattr(instance, STATE_ATTR):
+            return wrapped(*args, **kwargs)
+        shape = shape_of(instance.args)
+        dataset = (args[0] if args else kwargs.get("dataset")) or instance.train_dataset
+        per_round = shape.per_device_train_batch_size * shape.steps_per_generation * shape.world_size
+        return RankLocalGroupSampler(
+            dataset,
+            num_generations=shape.num_generations,
+            prompts_per_batch=per_round // shape.num_generations,
+            repeat_count=repeats(instance),
+            shuffle=getattr(instance, "shuffle_dataset", True),
+            seed=instance.args.seed,
+        )
+
+    return _get_train_sampler
 
 
 def _placeholder(name: str, index: int) -> Callable:

@@ -23,10 +23,9 @@ from typing import Any
 
 from packaging.specifiers import SpecifierSet
 
-from ..grouping import RankLocalGroupSampler
 from ..rewards import RewardBatch, compute_rewards
 from . import Adapter
-from .trl_glue import STATE_ATTR, GroupShape, TrainerPatchState, init_wrapper, score_batch
+from .trl_glue import STATE_ATTR, GroupShape, TrainerPatchState, init_wrapper, sampler_wrapper, score_batch
 
 
 def _shape(spg: Callable[[Any], int]) -> Callable[[Any], GroupShape]:
@@ -48,25 +47,6 @@ def _shape(spg: Callable[[Any], int]) -> Callable[[Any], GroupShape]:
 _PER_STEP = _shape(lambda c: 1)
 _PER_ACCUMULATION = _shape(lambda c: c.gradient_accumulation_steps)
 _PER_GENERATION = _shape(lambda c: c.steps_per_generation)
-
-
-def _sampler(shape_of: Callable[[Any], GroupShape], repeats: Callable[[Any], int]) -> Callable:
-    def _get_train_sampler(wrapped, instance, args, kwargs):
-        if not hasattr(instance, STATE_ATTR):
-            return wrapped(*args, **kwargs)
-        shape = shape_of(instance.args)
-        dataset = (args[0] if args else kwargs.get("dataset")) or instance.train_dataset
-        per_round = shape.per_device_train_batch_size * shape.steps_per_generation * shape.world_size
-        return RankLocalGroupSampler(
-            dataset,
-            num_generations=shape.num_generations,
-            prompts_per_batch=per_round // shape.num_generations,
-            repeat_count=repeats(instance),
-            shuffle=getattr(instance, "shuffle_dataset", True),
-            seed=instance.args.seed,
-        )
-
-    return _get_train_sampler
 
 
 def _guard(trainer: Any, state: TrainerPatchState, func: Any, processing_class: Any, name: str) -> Callable:
@@ -126,7 +106,7 @@ def _adapter(key: str, releases: str, shape_of, repeats, reward_site: str, sampl
         class_name="GRPOTrainer",
         wrappers={
             "__init__": init_wrapper(shape_of),
-            "_get_train_sampler": _sampler(shape_of, repeats),
+            "_get_train_sampler": sampler_wrapper(shape_of, repeats),
             reward_site: _guarded_rewards,
         },
         signatures={"__init__": _INIT_SIGNATURE, "_get_train_sampler": sampler_params},

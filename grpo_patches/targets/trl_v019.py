@@ -24,9 +24,8 @@ from typing import Any
 from packaging.specifiers import SpecifierSet
 
 from ..generation import wrap_generate
-from ..grouping import RankLocalGroupSampler
 from . import Adapter
-from .trl_glue import STATE_ATTR, GroupShape, init_wrapper, trl_layout_rewards
+from .trl_glue import STATE_ATTR, GroupShape, init_wrapper, sampler_wrapper, trl_layout_rewards
 
 
 def _shape(config: Any) -> GroupShape:
@@ -47,19 +46,7 @@ def _fast_generation_available() -> bool:
 _init = init_wrapper(_shape, fast_generation_available=_fast_generation_available)
 
 
-def _get_train_sampler(wrapped, instance, args, kwargs):
-    if not hasattr(instance, STATE_ATTR):
-        return wrapped(*args, **kwargs)
-    dataset = (args[0] if args else kwargs.get("dataset")) or instance.train_dataset
-    num_generations = instance.num_generations
-    return RankLocalGroupSampler(
-        dataset,
-        num_generations=num_generations,
-        prompts_per_batch=instance.args.generation_batch_size // num_generations,
-        repeat_count=instance.num_iterations * instance.args.steps_per_generation,
-        shuffle=instance.shuffle_dataset,
-        seed=instance.args.seed,
-    )
+_get_train_sampler = sampler_wrapper(_shape, lambda t: t.num_iterations * t.args.steps_per_generation)
 
 
 def _calculate_rewards(wrapped, instance, args, kwargs):
