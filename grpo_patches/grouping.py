@@ -24,6 +24,12 @@ class GroupShapeError(ValueError):
     """A batch shape with which some group of G completions would straddle two ranks."""
 
 
+def _nearest_multiples(value: int, step: int) -> list[int]:
+    """The multiples of ``step`` just below and above ``value`` (positive, other than ``value``)."""
+    below, above = (value // step) * step, math.ceil(value / step) * step
+    return sorted({v for v in (below, above) if v >= 1 and v != value}, key=lambda v: (abs(v - value), v))
+
+
 def nearest_valid_settings(per_device_batch_size: int, steps_per_generation: int, num_generations: int) -> list[str]:
     """Ways to make ``per_device_batch_size * steps_per_generation`` a multiple of ``num_generations``.
 
@@ -31,20 +37,12 @@ def nearest_valid_settings(per_device_batch_size: int, steps_per_generation: int
     """
     b, s, g = per_device_batch_size, steps_per_generation, num_generations
     out: list[str] = []
-    # per_device batch: needs b*s % g == 0, i.e. b a multiple of g / gcd(s, g).
-    step_b = g // math.gcd(s, g)
-    up = math.ceil(b / step_b) * step_b
-    down = (b // step_b) * step_b
-    cands = sorted({v for v in (down, up) if v >= 1 and v != b}, key=lambda v: (abs(v - b), v))
-    if cands:
-        out.append("per_device_train_batch_size=" + " or ".join(str(v) for v in cands))
-    # steps_per_generation: s a multiple of g / gcd(b, g).
-    step_s = g // math.gcd(b, g)
-    s_up = math.ceil(s / step_s) * step_s
-    s_down = (s // step_s) * step_s
-    cands = sorted({v for v in (s_down, s_up) if v >= 1 and v != s}, key=lambda v: (abs(v - s), v))
-    if cands:
-        out.append("steps_per_generation=" + " or ".join(str(v) for v in cands))
+    # b*s % g == 0 holds when b is a multiple of g / gcd(s, g), or s a multiple of g / gcd(b, g).
+    for name, value, step in (("per_device_train_batch_size", b, g // math.gcd(s, g)),
+                              ("steps_per_generation", s, g // math.gcd(b, g))):
+        candidates = _nearest_multiples(value, step)
+        if candidates:
+            out.append(f"{name}=" + " or ".join(str(v) for v in candidates))
     # num_generations: a divisor of b*s that is >= 2, nearest to g.
     divisors = [d for d in range(2, b * s + 1) if (b * s) % d == 0]
     if divisors:
