@@ -227,11 +227,11 @@ def _score_local(batch, run, *, group: FailFastGroup, timeout: float, everywhere
             full = torch.cat([t for _, t in gathered])
             counts = [t.shape[0] for _, t in gathered]
         verdict = (failures, full, counts)
-    # Rank 0 always has the verdict; others need the full tensor only for global statistics.
-    shared = group.broadcast_from_main(
-        verdict if everywhere or verdict is None else (verdict[0], None, None)
-    )
-    failures, full, counts = shared
+    # Rank 0 has the verdict; the others need the full tensor only for global statistics.
+    to_send = None
+    if verdict is not None:
+        to_send = verdict if everywhere else (verdict[0], None, None)
+    failures, full, counts = group.broadcast_from_main(to_send)
     group.raise_if_failed(failures)
     assert scored is not None
     if group.is_main:
