@@ -46,7 +46,6 @@ class TrainerPatchState:
 
     options: PatchOptions
     group: FailFastGroup
-    shape: GroupShape
 
 
 def check_shape(shape: GroupShape, options: PatchOptions, *, evaluates: bool) -> None:
@@ -112,10 +111,9 @@ def init_wrapper(shape_of: Callable[[Any], GroupShape], *,
                 bound.arguments.get("reward_funcs"), state.is_main_process
             )
         wrapped(*bound.args, **bound.kwargs)
-        shape = shape_of(instance.args)
-        if config is None:
-            check_shape(shape, options, evaluates=evaluates)
-        setattr(instance, STATE_ATTR, TrainerPatchState(options, FailFastGroup(options.collective_timeout), shape))
+        if config is None:  # TRL built a default config: check it now
+            check_shape(shape_of(instance.args), options, evaluates=evaluates)
+        setattr(instance, STATE_ATTR, TrainerPatchState(options, FailFastGroup(options.collective_timeout)))
         if options.fast_generation is not None:
             enable_fast_generation(instance, options.fast_generation)
 
@@ -248,8 +246,8 @@ def score_batch(trainer: Any, batch: RewardBatch, group_ids: list[int], *, num_g
             raise
     unscored = torch.isnan(rewards).all(dim=1)
     if unscored.any():
-        logger.warning("All reward functions returned None for completion %d: %r",
-                       int(unscored.nonzero()[0, 0]), batch.completions[int(unscored.nonzero()[0, 0])])
+        first = int(unscored.nonzero()[0, 0])
+        logger.warning("All reward functions returned None for completion %d: %r", first, batch.completions[first])
     return Scored(rewards, extras)
 
 
