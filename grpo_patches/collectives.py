@@ -13,7 +13,6 @@ from __future__ import annotations
 import datetime
 import queue
 import threading
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -39,7 +38,6 @@ class Failure:
     where: str
     error_type: str
     message: str
-    details: str = ""
 
     def describe(self) -> str:
         return f"{self.where} failed on rank {self.rank}: {self.error_type}: {self.message}"
@@ -116,7 +114,6 @@ def failure_from(exc: BaseException, *, rank: int, where: str) -> Failure:
         where=where,
         error_type=type(exc).__name__,
         message=str(exc),
-        details="".join(traceback.format_exception(type(exc), exc, exc.__traceback__))[-4000:],
     )
 
 
@@ -189,13 +186,6 @@ class FailFastGroup:
         box = [obj]
         self._guard("broadcast", lambda: dist.broadcast_object_list(box, src=self._global(0), group=self.group))
         return box[0]
-
-    def all_gather(self, obj: T) -> list[T]:
-        if self.group is None:
-            return [obj]
-        out: list[Any] = [None] * self.world_size
-        self._guard("all_gather", lambda: dist.all_gather_object(out, obj, group=self.group))
-        return out
 
     def _global(self, group_rank: int) -> int:
         return dist.get_global_rank(self.group, group_rank)
