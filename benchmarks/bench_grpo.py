@@ -122,6 +122,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--report-only", action="store_true",
                    help="merge per-rank parts left by an interrupted run into results.jsonl and rewrite "
                         "results.md and the plots (no training)")
+    p.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto",
+                   help="weights of the policy and reward model (auto: bf16 on GPU, fp32 on CPU)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--out", default=None, help="default: benchmarks/results/<date>-<gpu>/")
     p.add_argument("--tag", default="", help="free text stored with every record")
@@ -449,7 +451,7 @@ def worker(args) -> int:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     cuda = gpu_available()
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
-    dtype = torch.bfloat16 if cuda else torch.float32
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(args.dtype) or (torch.bfloat16 if cuda else torch.float32)
     mem_total = None
     if cuda:
         torch.cuda.set_device(device)
@@ -681,6 +683,16 @@ def med(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
+def paired_round_ratios(recs: list[dict], variant: str) -> list[float]:
+    """variant / stock step time within each round (variants alternate inside a round)."""
+    out = []
+    for r in sorted({rec["round"] for rec in recs}):
+        vr = per_variant_rank([rec for rec in recs if rec["round"] == r])
+        if any(v == variant for v, _ in vr) and any(v == "stock" for v, _ in vr):
+            out.append(slowest_rank_median(vr, variant) / slowest_rank_median(vr, "stock"))
+    return out
+
+
 def slowest_rank_median(vr: dict[tuple[str, int], list[dict]], variant: str) -> float:
     """The step time of a variant: the largest per-rank median (DDP steps finish together)."""
     meds = [med(pool(rs, "step_s")) for (v, _), rs in vr.items() if v == variant]
@@ -743,6 +755,12 @@ def write_reports(out: Path) -> None:
                 target = STEP_TARGETS.get(variant)
                 verdict = f" -> {'PASS' if ratio <= target else 'FAIL'} (target <= {target})" if target else ""
                 lines.append(f"- step time {variant} / stock (slowest rank's median): {ratio:.3f}{verdict}")
+                paired = paired_round_ratios(recs, variant)
+                if len(paired) > 1:  # drift between rounds cancels in each round's own ratio
+                    pm = statistics.median(paired)
+                    verdict = f" -> {'PASS' if pm <= target else 'FAIL'} (target <= {target})" if target else ""
+                    lines.append(f"- {variant} / stock per round (each round's slowest-rank medians, {len(paired)} "
+                                 f"rounds): median {pm:.3f}, range {min(paired):.3f}-{max(paired):.3f}{verdict}")
                 first = [r["warmup_steps"][0]["step_s"] for r in recs if r["variant"] == variant and r["warmup_steps"]]
                 first_stock = [r["warmup_steps"][0]["step_s"] for r in recs if r["variant"] == "stock" and r["warmup_steps"]]
                 if VARIANTS[variant][0] and VARIANTS[variant][0].get("fast_generation") and first and first_stock:

@@ -69,12 +69,12 @@ def measured_layer_bytes(kind: str, hidden: int, inter: int, heads: int, kv_head
     return (saved(3) - saved(2)) / (batch * seq)
 
 
-def measure(device: str, out: Path, seq: int, batch: int) -> None:
+def measure(device: str, out: Path, seqs: list[int], batch: int) -> None:
     import torch
 
     rows = []
     for dtype, autocast, act in ((torch.bfloat16, True, 2), (torch.float32, False, 4)):
-        for dropout in (0.05, 0.0):
+        for dropout, seq in [(d, q) for d in (0.05, 0.0) for q in seqs]:
             for hidden, inter, heads, kv_heads in SHAPES:
                 b = measured_layer_bytes("qwen2", hidden, inter, heads, kv_heads, dtype, autocast, dropout=dropout,
                                          device=device, batch=batch, seq=seq)
@@ -88,19 +88,25 @@ def measure(device: str, out: Path, seq: int, batch: int) -> None:
 
 
 def fit(path: Path) -> dict[tuple[int, bool], dict[str, float]]:
-    """Least squares per (act, dropout) over the measured shapes; prints the table and the residuals."""
+    """Least squares per (act, dropout) over the measured shapes and sequence lengths; prints the table
+    and the residuals. Qwen2/Llama layers have q = heads * head_dim = hidden, so the two widths are one
+    column here (both get its coefficient)."""
     import torch
 
     rows = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
     table = {}
+    cols = [w for w in WIDTHS if w != "q"]
     for key in sorted({(r["act"], r["dropout"]) for r in rows}):
         sel = [r for r in rows if (r["act"], r["dropout"]) == key]
-        a = torch.tensor([[float(r[w]) for w in WIDTHS] for r in sel], dtype=torch.float64)
+        a = torch.tensor([[float(r[w]) + (r["q"] if w == "hidden" else 0) for w in cols] for r in sel],
+                         dtype=torch.float64)
         y = torch.tensor([r["bytes_per_token"] for r in sel], dtype=torch.float64)
         coef = torch.linalg.lstsq(a, y.unsqueeze(1)).solution.squeeze(1)
         resid = (a @ coef - y) / y
-        table[key] = {w: round(float(c), 2) for w, c in zip(WIDTHS, coef, strict=True)}
-        print(f"{key}: {table[key]}  max |residual| {float(resid.abs().max()) * 100:.2f}%")
+        table[key] = {w: round(float(c), 2) for w, c in zip(cols, coef, strict=True)}
+        table[key]["q"] = table[key]["hidden"]
+        print(f"{key}: {table[key]}  max |residual| {float(resid.abs().max()) * 100:.2f}% over {len(sel)} points "
+              f"(seq {sorted({r['seq'] for r in sel})})")
     return table
 
 
@@ -109,7 +115,7 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--out", type=Path, default=Path("act_calibration.jsonl"))
     p.add_argument("--fit", type=Path, default=None, help="fit the coefficients of a measurement file")
-    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--seq", type=int, nargs="+", default=[128, 288])
     p.add_argument("--batch", type=int, default=2)
     args = p.parse_args()
     if args.fit:

@@ -5,10 +5,11 @@
 #   COMPLETION_LEN=128 bash benchmarks/run_bench.sh    # shrink if time is short
 #   GPUS=1 bash benchmarks/run_bench.sh                # one GPU count only
 #   MAXBATCH=1 bash benchmarks/run_bench.sh            # + largest batch under a 24 GiB cap (long: ~10+ min)
+#   FSDP=1 GPUS=2 bash benchmarks/run_bench.sh         # accelerate's FSDP2 plugin instead of DDP
 #
 # Env (defaults): POLICY (0.5b), GRAD_CKPT (on), STEPS (5), WARMUP (1), COMPLETION_LEN (256),
 # BATCH (8), VARIANTS (stock,patched-local,patched-main), ROUNDS (1), GPUS ("2 1"),
-# BUDGET_S (540: each launch runs under `timeout` for what is left of it), PORT (29517),
+# BUDGET_S (540: each launch runs under `timeout` for what is left of it), PORT (29517), FSDP (0), DTYPE (auto),
 # BENCH_OUT (benchmarks/results/<date>-<gpu>), MEM_CAP_GB (24, MAXBATCH only), MAXBATCH_NPROC (2),
 # PYTHON (python3). GPU counts above what nvidia-smi lists are skipped.
 # 2 GPUs run first: the main-placement memory check needs a non-main rank. A launch cut by the
@@ -51,7 +52,11 @@ for n in $GPUS; do
   if [ "${ngpu:-0}" -gt 0 ] && [ "$n" -gt "$ngpu" ]; then
     echo "[run_bench] skipping $n GPU(s): nvidia-smi lists $ngpu"; continue
   fi
-  if [ "$n" -gt 1 ]; then
+  if [ "$n" -gt 1 ] && [ "${FSDP:-0}" = 1 ]; then  # accelerate's FSDP2 plugin, one shard per decoder layer
+    launch=("$PY" -m accelerate.commands.launch --use_fsdp --fsdp_version 2 --fsdp_auto_wrap_policy TRANSFORMER_BASED_WRAP
+            --fsdp_transformer_layer_cls_to_wrap Qwen2DecoderLayer --fsdp_reshard_after_forward true
+            --num_processes "$n" --num_machines 1 --mixed_precision bf16 --dynamo_backend no --main_process_port "$PORT")
+  elif [ "$n" -gt 1 ]; then
     launch=("$PY" -m accelerate.commands.launch --multi_gpu --num_processes "$n" --num_machines 1
             --mixed_precision bf16 --dynamo_backend no --main_process_port "$PORT")
   else
@@ -60,7 +65,7 @@ for n in $GPUS; do
   fi
   cmd=("${launch[@]}" benchmarks/bench_grpo.py --policy "$POLICY" --grad-ckpt "$GRAD_CKPT"
        --variants "$VARIANTS" --steps "$STEPS" --warmup "$WARMUP" --rounds "$ROUNDS"
-       --per-device-batch "$BATCH" --completion-len "$COMPLETION_LEN" --out "$BENCH_OUT")
+       --per-device-batch "$BATCH" --completion-len "$COMPLETION_LEN" --dtype "${DTYPE:-auto}" --out "$BENCH_OUT")
   echo "[run_bench] $n GPU(s), at most ${left}s: ${cmd[*]}"
   t0=$(date +%s)
   timeout --signal=TERM --kill-after=20 "$left" "${cmd[@]}"
@@ -73,7 +78,8 @@ if [ "${MAXBATCH:-0}" = 1 ]; then
   echo "[run_bench] largest batch under ${MEM_CAP_GB:-24} GiB per GPU, ${MAXBATCH_NPROC:-2} rank(s), at most ${left}s"
   timeout --signal=TERM --kill-after=20 "$left" "$PY" benchmarks/bench_grpo.py --find-max-batch \
     --nproc "${MAXBATCH_NPROC:-2}" --mem-cap-gb "${MEM_CAP_GB:-24}" --policy "$POLICY" --grad-ckpt "$GRAD_CKPT" \
-    --variants "$VARIANTS" --completion-len "$COMPLETION_LEN" --out "$BENCH_OUT"
+    --variants "$VARIANTS" --completion-len "$COMPLETION_LEN" --max-batch-limit "${MAXBATCH_LIMIT:-256}" \
+    --probe-timeout "${PROBE_TIMEOUT:-300}" --out "$BENCH_OUT"
 fi
 
 "$PY" benchmarks/bench_grpo.py --report-only --out "$BENCH_OUT"

@@ -81,12 +81,17 @@ GiB = 2**30
 #: Bytes saved for backward per token per decoder layer, per unit of width, keyed by (activation
 #: bytes, LoRA dropout > 0). Widths: hidden, intermediate, q = heads * head_dim, kv = kv_heads *
 #: head_dim, and per attention head (the attention kernel's log-sum-exp and friends).
-_ACT_COEF: dict[tuple[int, bool], dict[str, float]] = {
-    (2, True): {"hidden": 37.96, "intermediate": 12.23, "q": 10.12, "kv": 4.05, "heads": 13.9},
-    (2, False): {"hidden": 17.96, "intermediate": 8.23, "q": 6.12, "kv": 4.05, "heads": 13.9},
-    (4, True): {"hidden": 47.92, "intermediate": 20.45, "q": 16.23, "kv": 8.10, "heads": 23.5},
-    (4, False): {"hidden": 15.92, "intermediate": 16.45, "q": 8.23, "kv": 8.10, "heads": 23.5},
+#: One table per device kind: the attention kernel and the dropout implementation differ between the
+#: CPU and CUDA, so each table is measured on its device (benchmarks/calibrate_activations.py).
+_ACT_COEF: dict[str, dict[tuple[int, bool], dict[str, float]]] = {
+    "cpu": {
+        (2, True): {"hidden": 37.96, "intermediate": 12.23, "q": 10.12, "kv": 4.05, "heads": 13.9},
+        (2, False): {"hidden": 17.96, "intermediate": 8.23, "q": 6.12, "kv": 4.05, "heads": 13.9},
+        (4, True): {"hidden": 47.92, "intermediate": 20.45, "q": 16.23, "kv": 8.10, "heads": 23.5},
+        (4, False): {"hidden": 15.92, "intermediate": 16.45, "q": 8.23, "kv": 8.10, "heads": 23.5},
+    },
 }
+_ACT_COEF["cuda"] = _ACT_COEF["cpu"]  # replaced by the H200 measurement below once made
 _FUSED_TOKEN_CHUNK = 4096  # trl.kernels.chunked_logprob.TOKEN_CHUNK_SIZE
 _FUSED_VOCAB_CHUNK = 32768  # trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE
 
@@ -435,9 +440,10 @@ def _count_rm_cached(config_json: str, model_type: str) -> int:
 # ------------------------------------------------------------------------------------- estimate
 
 
-def _layer_bytes_per_token(arch: _Arch, act: int, dropout: bool) -> float:
-    """Bytes autograd saves per token in one decoder layer with the LoRA adapter (see ``_ACT_COEF``)."""
-    coef = _ACT_COEF[(2 if act <= 2 else 4, dropout)]
+def _layer_bytes_per_token(arch: _Arch, act: int, dropout: bool, device: str = "cuda") -> float:
+    """Bytes autograd saves per token in one decoder layer with the LoRA adapter (see ``_ACT_COEF``);
+    preflight predicts GPU memory, so the CUDA table unless told otherwise."""
+    coef = _ACT_COEF[device][(2 if act <= 2 else 4, dropout)]
     scale = act / (2 if act <= 2 else 4)
     return scale * (
         coef["hidden"] * arch.hidden + coef["intermediate"] * arch.intermediate + coef["q"] * arch.q

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import time
 import types
@@ -11,6 +10,7 @@ import warnings
 import pytest
 import torch
 
+from benchmarks.calibrate_activations import measured_layer_bytes
 from grpo_patches import preflight as pf
 from grpo_patches.cli import main as cli_main
 from grpo_patches.defaults import lora_config
@@ -242,35 +242,6 @@ def test_small_headroom_is_advice_not_error():
 # ------------------------------------------------------- the activation coefficients, re-measured
 
 
-def measured_layer_bytes(kind: str, hidden: int, inter: int, heads: int, kv_heads: int, dtype, autocast: bool):
-    """Bytes autograd saves per token for one decoder layer with the pinned LoRA: (3 layers - 2 layers)."""
-    import peft
-    import transformers
-
-    def saved(layers: int) -> int:
-        torch.manual_seed(0)
-        cls = transformers.Qwen2Config if kind == "qwen2" else transformers.LlamaConfig
-        cfg = cls(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
-                  num_key_value_heads=kv_heads, vocab_size=64)
-        model = peft.get_peft_model(transformers.AutoModelForCausalLM.from_config(cfg).to(dtype), lora_config())
-        model.train()
-        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        seen: dict[int, int] = {}
-
-        def pack(t):
-            ptr = t.untyped_storage().data_ptr()
-            if ptr not in params:
-                seen[ptr] = t.untyped_storage().nbytes()
-            return t
-
-        ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
-        with ctx, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            model.base_model.model.model(input_ids=torch.randint(0, 64, (2, 96)))
-        return sum(seen.values())
-
-    return (saved(3) - saved(2)) / (2 * 96)
-
-
 @pytest.mark.parametrize(("kind", "shape", "dtype", "autocast", "act"), [
     ("llama", (192, 512, 6, 2), torch.float32, False, 4),
     ("qwen2", (256, 704, 4, 2), torch.float32, False, 4),
@@ -280,7 +251,7 @@ def test_activation_coefficients_match_a_cpu_measurement(kind, shape, dtype, aut
     hidden, inter, heads, kv_heads = shape
     arch = pf._Arch(layers=1, hidden=hidden, intermediate=inter, heads=heads, kv_heads=kv_heads,
                     head_dim=hidden // heads, vocab=64, model_type=kind, moe=False)
-    predicted = pf._layer_bytes_per_token(arch, act, dropout=True)
+    predicted = pf._layer_bytes_per_token(arch, act, dropout=True, device="cpu")
     measured = measured_layer_bytes(kind, hidden, inter, heads, kv_heads, dtype, autocast)
     assert predicted == pytest.approx(measured, rel=0.10)
 
