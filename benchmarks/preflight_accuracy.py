@@ -23,7 +23,10 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 GiB = 2**30
 RUNS = [ROOT / "benchmarks/results/2026-11-29-h200-x2-grpo/results.jsonl",
         ROOT / "benchmarks/results/2026-11-29-h200-preflight/results_1.5b_ckpt_off.jsonl",
-        ROOT / "benchmarks/results/2026-11-29-h200-preflight/results_1.5b_ckpt_on.jsonl"]
+        ROOT / "benchmarks/results/2026-11-29-h200-preflight/results_1.5b_ckpt_on.jsonl",
+        *sorted(ROOT.glob("benchmarks/results/2026-11-29-h200-x4/*/results.jsonl"))]
+#: preflight models DDP (a full replica per rank); FSDP shards are out of its scope.
+SKIP_DISTRIBUTED = {"FSDP"}
 
 
 def main() -> None:
@@ -39,7 +42,7 @@ def main() -> None:
     for path in RUNS:
         for line in path.read_text().splitlines():
             r = json.loads(line)
-            if not r.get("peak_allocated_bytes"):
+            if not r.get("peak_allocated_bytes") or r.get("distributed") in SKIP_DISTRIBUTED:
                 continue
             policy = Qwen2Config(**POLICIES[r["policy"]])
             rm = Qwen2Config(**POLICIES["0.5b"])
@@ -56,7 +59,7 @@ def main() -> None:
             predicted = report.ranks[r["rank"]].peak / GiB
             measured = r["peak_allocated_bytes"] / GiB
             own = (r["peak_allocated_bytes"] - r.get("base_allocated_bytes", 0)) / GiB
-            print(f"| {path.name} | {r['policy']} | {r['completion_len']} | {r['grad_ckpt']} | {r['variant']} | "
+            print(f"| {path.parent.name}/{path.name} | {r['policy']} | {r['completion_len']} | {r['grad_ckpt']} | {r['variant']} | "
                   f"{r['rank']} | {predicted:.2f} | {measured:.2f} | {own:.2f} | {100 * (predicted / measured - 1):+.1f}% |")
 
 
