@@ -199,7 +199,9 @@ def score_batch(trainer: Any, batch: RewardBatch, group_ids: list[int], *, num_g
     from transformers import Trainer
 
     device = trainer.accelerator.device
-    if device.type == "cuda":  # this runs in the watchdog's thread, whose current device is cuda:0
+    # This runs in the watchdog's thread, whose current device is cuda:0. A single-process run's device
+    # is plain "cuda" (no index: the current device, which set_device refuses), and needs nothing.
+    if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)
     if funcs is None:
         funcs = list(zip(trainer.reward_funcs, trainer.reward_processing_classes, trainer.reward_func_names,
