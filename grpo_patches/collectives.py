@@ -61,6 +61,12 @@ class _Worker:
 
     Not ``concurrent.futures``: its threads are joined at interpreter exit, so a stuck reward
     function would hang the very exit that fail-fast is meant to reach.
+
+    The thread outlives every job, so it must not keep a finished job's objects: its loop variables
+    are dropped before it waits for the next job. Otherwise the last job's callable (a closure over
+    the trainer) and its result or exception (whose traceback holds the trainer's frames) would stay
+    referenced from this thread's frame, which the garbage collector treats as a root: the trainer
+    of the last reward computation, its model and optimizer would never be freed.
     """
 
     def __init__(self) -> None:
@@ -75,6 +81,7 @@ class _Worker:
             except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
                 box["error"] = exc
             done.set()
+            del fn, box, done  # the caller holds the box; keep nothing of this job while idle
 
 
 _worker: _Worker | None = None
