@@ -12,6 +12,22 @@ decoding around TRL's ``_generate_single_turn`` and nothing else:
   eager. Weights are read from the modules at every call (dynamo inlines ``nn.Module`` s and lifts
   parameters as graph inputs; CUDA graphs see in-place optimizer updates at the same addresses),
   so an optimizer step never leaves stale weights in the compiled path (tested).
+* **Graph decode loop (``decode_loop="graph"``, opt-in).** With transformers' loop the compiled
+  forward is only part of a token: logits processors, sampling, input preparation, kwargs updates
+  and the stopping check run eagerly in Python every token, and the stopping check syncs host and
+  GPU every token, so host work serializes with the graph replay (10.9 ms per step for the 1.5B
+  policy, 6.9 ms for 0.5B; results.md). The graph loop replaces TRL's ``model.generate`` call for
+  that call only: an eager prefill into the same pooled static cache, then one compiled function
+  per token that runs the forward, the temperature / top-k / top-p warping (transformers' warper
+  semantics, ties and ``min_tokens_to_keep=1`` included), the sample (Gumbel-max: exactly
+  softmax) or greedy pick, and the EOS/pad bookkeeping, on fixed shapes (a full-cache-length
+  attention mask, the cache position as a tensor), so it is one graph replay and the host queues
+  the next step without waiting; "every row ended" is checked on the host only every
+  ``check_every`` steps and the output is trimmed to exactly what ``generate`` returns. Weights
+  are graph inputs as above, the pool and the bucketing keep one compilation per bucket. A config
+  it does not implement (penalties, ``min_p``, ``min_new_tokens``, beams, extra processors or
+  stopping criteria, score outputs, ``record_sampling_logprobs``...) goes to transformers' loop,
+  with one warning saying why: a silently different sampler would be worse than a slower one.
 * **Cache-length bucketing (no recompilation when prompt lengths change).** The decode graph's
   shapes are (batch, static cache length); the prompt length enters only through the cache length
   (transformers sizes it ``prompt + max_new_tokens - 1``, so every new prompt length recompiled:
