@@ -722,3 +722,26 @@ def test_gpu_graph_loop_sampling_distribution(temperature, top_k, top_p):
     bound = 4.5 * ((probs * (1 - probs)).max().item() / int(rows.sum())) ** 0.5 + 1e-3
     assert (freq - probs).abs().max().item() < bound
     assert freq[probs == 0].sum() == 0
+
+
+@gpu
+@pytest.mark.slow
+def test_gpu_graph_loop_trainer_steps_compile_once():
+    trainer = make_trainer(VARIED, max_steps=4, gradient_checkpointing=True, use_cpu=False)
+    state = enable_fast_generation(trainer, FastGenerationConfig(decode_loop="graph"))
+    _, skips0 = _counts()
+    trainer.train()
+    assert state.compiled and state.calls == 4
+    assert state.graph.calls == 4 and state.graph.fallbacks == 0
+    assert state.graphs_compiled >= 1 and state.graphs_after_first_call == 0
+    assert len(state.pool.caches) == 1
+    assert _counts()[1] == skips0, "no CUDA-graph skip"
+
+
+def test_decode_loop_config_validation():
+    assert FastGenerationConfig().decode_loop == "transformers" and FastGenerationConfig().check_every == 16
+    assert FastGenerationConfig.coerce({"decode_loop": "graph"}).decode_loop == "graph"
+    with pytest.raises(ValueError):
+        FastGenerationConfig(decode_loop="cuda")
+    with pytest.raises(ValueError):
+        FastGenerationConfig(check_every=0)
