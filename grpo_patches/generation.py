@@ -687,7 +687,8 @@ def wrap_generate(wrapped, instance, args, kwargs):
 
     Signature there: ``(prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False)``.
     Only the regular transformers path is changed; trainers without fast generation enabled, vLLM
-    and continuous batching run upstream's code untouched.
+    and continuous batching run upstream's code untouched. ``decode_loop="graph"`` replaces TRL's
+    ``unwrapped_model.generate`` for the call (counters on ``state.graph``).
     """
     state: FastGenerationState | None = getattr(instance, FAST_GEN_ATTR, None)
     if (state is None or state._active or getattr(instance, "use_vllm", False)
@@ -803,7 +804,9 @@ def fast_generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: tor
     """``model.generate`` the way the trainer wrapper runs it (standalone: benchmarks, tests).
 
     ``generation_config`` defaults to the model's; the fast copy gets the static cache, compile
-    settings and the bucketed cache length; sampling runs in eval mode, flags restored.
+    settings and the bucketed cache length; sampling runs in eval mode, flags restored. With
+    ``config.decode_loop="graph"`` (and compiled decoding) the graph loop runs instead of
+    ``model.generate`` where it supports the call (counters: ``GRAPH_STATS``).
     """
     config = config or FastGenerationConfig()
     base = generation_config if generation_config is not None else model.generation_config
