@@ -745,3 +745,21 @@ def test_decode_loop_config_validation():
         FastGenerationConfig(decode_loop="cuda")
     with pytest.raises(ValueError):
         FastGenerationConfig(check_every=0)
+
+
+def test_graph_loop_greedy_with_a_list_of_eos_ids_and_no_pad_id():
+    from transformers import GenerationConfig
+
+    model = eos_prone_policy()
+    ids, mask = batch([5, 9, 7, 3], seed=1)
+    # pad_token_id unset: generate pads with the first EOS id (transformers' rule), as the graph loop does
+    gc = GenerationConfig(max_new_tokens=12, do_sample=False, eos_token_id=[18, 1], disable_compile=True)
+    with torch.no_grad(), sampling_mode(model):
+        eager = model.generate(input_ids=ids, attention_mask=mask, generation_config=gc)
+    counting = Counting()
+    calls = generation.GRAPH_STATS.calls
+    fast = fast_generate(model, ids, mask, generation_config=gc, config=graph_config(counting, check_every=2))
+    assert generation.GRAPH_STATS.calls == calls + 1 and counting.runs > 0
+    assert torch.equal(fast, eager)
+    completion = eager[:, ids.shape[1]:]
+    assert (completion == 18).any() and completion.shape[1] < 12, "the second EOS id ended rows early"
