@@ -5,36 +5,46 @@ with a random (nonzero) B, batch 8, 256 new tokens (every row runs to the end: m
 
 * default (``generate``): ``model.generate`` with TRL 1.16's generation config (built as TRL builds
   it, ``disable_compile=True``, policy in training mode as TRL samples) vs :func:`fast_generate`
-  (static cache, compiled decode step, eval mode). Reports ms per decode step, the first compiled
-  call (compilation), recompilations over later calls with other prompt lengths, and the HBM floor
-  (bytes of the parameters / 4.8 TB/s for an H200; the KV cache read is listed separately).
+  (static cache, compiled decode step, eval mode) with transformers' decode loop (``fast``) and with
+  ``decode_loop="graph"`` (``graph``: one compiled step per token that also samples; the same run).
+  Reports ms per decode step, the first compiled call (compilation), recompilations over later calls
+  with other prompt lengths, and the HBM floor (bytes of the parameters / 4.8 TB/s for an H200; the
+  KV cache read is listed separately). The graph loop does not implement ``min_new_tokens``, so its
+  rows run to the end through ``eos_token_id=[]`` instead (the same number of decode steps); a
+  failure of the graph path is recorded (``graph_error``) and the other paths' results are kept.
 * ``--trl-step``: stock ``GRPOTrainer`` steps vs the same trainer with fast generation
-  (:func:`enable_fast_generation`, what ``apply(fast_generation=True)`` installs): the first step
+  (:func:`enable_fast_generation`, what ``apply(fast_generation=True)`` installs) for each loop of
+  ``--decode-loop`` (``transformers``, ``graph`` or ``transformers,graph``): the first step
   (compilation) separately, then the mean of ``--steps`` timed steps and their generation share.
 
 Prints a markdown table and writes JSON to ``--out``.
 
     python benchmarks/bench_generation.py --policy 0.5b,1.5b --out benchmarks/results/generation.json
     python benchmarks/bench_generation.py --trl-step --policy 1.5b --out benchmarks/results/generation_trl.json
+    python benchmarks/bench_generation.py --trl-step --decode-loop transformers,graph --policy 1.5b
     python benchmarks/bench_generation.py --policy tiny --force-compile --backend aot_eager   # CPU smoke test
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
+import math
 import os
 import platform
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from grpo_patches import generation  # noqa: E402
 from grpo_patches.generation import FastGenerationConfig, enable_fast_generation, fast_generate  # noqa: E402
 
 H200_BYTES_PER_S = 4.8e12
@@ -90,13 +100,18 @@ def floor_ms(model, batch: int, cache_len: int) -> tuple[float, float]:
     return params / H200_BYTES_PER_S * 1e3, kv / H200_BYTES_PER_S * 1e3
 
 
-def trl_generation_config(new_tokens: int):
-    """TRL 1.16's GenerationConfig for the transformers path (GRPOConfig defaults), full-length rows."""
+def trl_generation_config(new_tokens: int, *, graph: bool = False):
+    """TRL 1.16's GenerationConfig for the transformers path (GRPOConfig defaults), full-length rows.
+
+    ``graph``: full-length rows without ``min_new_tokens`` (which the graph loop does not implement):
+    no EOS token at all instead."""
     from transformers import GenerationConfig
 
     kwargs = {"max_new_tokens": new_tokens, "do_sample": True, "pad_token_id": PAD, "bos_token_id": BOS,
               "eos_token_id": [EOS], "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": None,
               "repetition_penalty": 1.0, "cache_implementation": None, "min_new_tokens": new_tokens}
+    if graph:
+        kwargs.update(eos_token_id=[], min_new_tokens=None)
     return GenerationConfig(**kwargs, disable_compile=True)
 
 
@@ -116,6 +131,31 @@ def timed(fn, device):
     out = fn()
     sync(device)
     return time.perf_counter() - start, out
+
+
+def time_fast(model, label: str, config, base_config, one_token, lengths, batch, vocab, new, device) -> dict:
+    """First call (compilation), then ms per decode step over the later calls (other prompt lengths)."""
+    timings, first, res = [], None, {}
+    graphs_before = graphs_warm = graphs()
+    for i, length in enumerate(lengths):
+        ids, mask = prompts(batch, length, vocab, device, seed=i)
+        t_pre, _ = timed(lambda i=ids, m=mask: fast_generate(model, i, m, generation_config=one_token, config=config),
+                         device)
+        t, out = timed(lambda i=ids, m=mask: fast_generate(model, i, m, generation_config=base_config, config=config),
+                       device)
+        assert out.shape[1] == length + new, out.shape
+        if i == 0:
+            first = t
+            graphs_warm = graphs()
+        else:
+            timings.append((t, t_pre))
+    res[f"{label}_first_call_s"] = first
+    res[f"{label}_graphs_compiled_first_call"] = graphs_warm - graphs_before
+    res[f"{label}_recompiles_after_warmup"] = graphs() - graphs_warm
+    if timings:
+        res[f"{label}_s_per_call"] = statistics.mean(t for t, _ in timings)
+        res[f"{label}_ms_per_decode_step"] = statistics.mean((t - p) / max(new - 1, 1) * 1e3 for t, p in timings)
+    return res
 
 
 def bench_generate(name: str, args, device, dtype) -> dict:
@@ -150,30 +190,32 @@ def bench_generate(name: str, args, device, dtype) -> dict:
     res["eager_s_per_call"] = statistics.mean(t for t, _ in eager)
     res["eager_ms_per_decode_step"] = statistics.mean((t - p) / max(new - 1, 1) * 1e3 for t, p in eager)
 
-    # fast path
-    config = FastGenerationConfig(force_compile=args.force_compile, backend=args.backend, mode=args.mode,
-                                  bucket=args.bucket)
-    fast, first = [], None
-    graphs_before = graphs()
-    for i, length in enumerate(lengths):
-        ids, mask = prompts(batch, length, vocab, device, seed=i)
-        t_pre, _ = timed(lambda i=ids, m=mask: fast_generate(model, i, m, generation_config=one_token, config=config),
-                         device)
-        t, out = timed(lambda i=ids, m=mask: fast_generate(model, i, m, generation_config=base_config, config=config),
-                       device)
-        assert out.shape[1] == length + new, out.shape
-        if i == 0:
-            first = t
-            graphs_warm = graphs()
-        else:
-            fast.append((t, t_pre))
-    res["fast_first_call_s"] = first
-    res["graphs_compiled_first_call"] = graphs_warm - graphs_before
-    res["recompiles_after_warmup"] = graphs() - graphs_warm
-    if fast:
-        res["fast_s_per_call"] = statistics.mean(t for t, _ in fast)
-        res["fast_ms_per_decode_step"] = statistics.mean((t - p) / max(new - 1, 1) * 1e3 for t, p in fast)
+    # fast paths: transformers' decode loop (compiled forward), then the graph loop, in the same run
+    fast_config = FastGenerationConfig(force_compile=args.force_compile, backend=args.backend, mode=args.mode,
+                                       bucket=args.bucket)
+    res.update(time_fast(model, "fast", fast_config, base_config, one_token, lengths, batch, vocab, new, device))
+    gc.collect()
+    graph_config = dataclasses.replace(fast_config, decode_loop="graph", check_every=args.check_every)
+    try:
+        stats0 = dataclasses.replace(generation.GRAPH_STATS)
+        res.update(time_fast(model, "graph", graph_config, trl_generation_config(new, graph=True),
+                             trl_generation_config(1, graph=True), lengths, batch, vocab, new, device))
+        stats = generation.GRAPH_STATS
+        res["graph_calls"], res["graph_fallbacks"] = stats.calls - stats0.calls, stats.fallbacks - stats0.fallbacks
+        if res["graph_fallbacks"]:
+            res["graph_error"] = f"fell back to transformers' loop: {stats.last_reason}"
+        elif "graph_ms_per_decode_step" in res:
+            res["speedup_graph_vs_fast"] = res.get("fast_ms_per_decode_step", math.nan) / res["graph_ms_per_decode_step"]
+    except Exception as exc:  # noqa: BLE001 - report, keep the other paths' numbers
+        res["graph_error"] = f"{type(exc).__name__}: {exc}"
+        res["graph_traceback"] = traceback.format_exc(limit=8)
+        print(f"[{name}] graph decode loop failed: {res['graph_error']}", file=sys.stderr, flush=True)
+    res["graphs_compiled_first_call"] = res.get("fast_graphs_compiled_first_call")
+    res["recompiles_after_warmup"] = res.get("fast_recompiles_after_warmup")
+    if "fast_ms_per_decode_step" in res:
         res["speedup_decode"] = res["eager_ms_per_decode_step"] / res["fast_ms_per_decode_step"]
+    if "graph_ms_per_decode_step" in res:
+        res["speedup_graph_decode"] = res["eager_ms_per_decode_step"] / res["graph_ms_per_decode_step"]
     cache_len = -(-max(lengths) // args.bucket) * args.bucket + new
     res["hbm_floor_ms_params"], res["hbm_kv_ms_full_cache"] = floor_ms(model, batch, cache_len)
     model = None
@@ -204,7 +246,7 @@ def length_reward(completions, **kwargs):
     return [len(c.split()) / 256.0 for c in completions]
 
 
-def run_trl(name: str, args, device, dtype, fast: bool) -> dict:
+def run_trl(name: str, args, device, dtype, fast: bool, decode_loop: str = "transformers") -> dict:
     import random
 
     import wrapt
@@ -220,18 +262,21 @@ def run_trl(name: str, args, device, dtype, fast: bool) -> dict:
             for _ in range(64)]
     on_cpu = device.type != "cuda"
     config = GRPOConfig(
-        output_dir=os.path.join(args.workdir, f"{name}-{'fast' if fast else 'stock'}"), report_to=[],
+        output_dir=os.path.join(args.workdir, f"{name}-{decode_loop if fast else 'stock'}"), report_to=[],
         save_strategy="no", logging_steps=1, disable_tqdm=True, per_device_train_batch_size=args.batch,
         num_generations=args.batch, max_completion_length=args.new_tokens, max_steps=1 + args.steps,
         learning_rate=1e-6, seed=0, use_cpu=on_cpu, bf16=dtype == torch.bfloat16 and not on_cpu,
-        generation_kwargs={"min_new_tokens": args.new_tokens}, dataloader_num_workers=0,
+        # full-length rows; the graph loop has no min_new_tokens: no EOS token instead (same decode steps)
+        generation_kwargs=({"eos_token_id": []} if fast and decode_loop == "graph"
+                           else {"min_new_tokens": args.new_tokens}), dataloader_num_workers=0,
     )
     trainer = GRPOTrainer(model=model, reward_funcs=[length_reward], args=config,
                           train_dataset=Dataset.from_list(rows), processing_class=word_tokenizer(vocab),
                           peft_config=lora)
     randomize_lora_b(trainer.model)
     state = enable_fast_generation(trainer, FastGenerationConfig(
-        force_compile=args.force_compile, backend=args.backend, mode=args.mode, bucket=args.bucket)) if fast else None
+        force_compile=args.force_compile, backend=args.backend, mode=args.mode, bucket=args.bucket,
+        decode_loop=decode_loop, check_every=args.check_every)) if fast else None
     gen_seconds: list[float] = []
 
     def timing(wrapped, instance, a, kw):
@@ -257,7 +302,7 @@ def run_trl(name: str, args, device, dtype, fast: bool) -> dict:
     trainer.add_callback(Clock())
     trainer.train()
     timed_steps, timed_gen = step_seconds[1:], gen_seconds[1:]
-    res = {"policy": name, "mode": "fast" if fast else "stock", "first_step_s": step_seconds[0],
+    res = {"policy": name, "mode": f"fast-{decode_loop}" if fast else "stock", "first_step_s": step_seconds[0],
            "first_generation_s": gen_seconds[0], "step_s": statistics.mean(timed_steps),
            "generation_s": statistics.mean(timed_gen), "steps_timed": len(timed_steps)}
     res["generation_share"] = res["generation_s"] / res["step_s"]
@@ -295,6 +340,9 @@ def main(argv=None) -> int:
     ap.add_argument("--backend", default="inductor")
     ap.add_argument("--mode", default="reduce-overhead")
     ap.add_argument("--force-compile", action="store_true", help="compile on CPU too")
+    ap.add_argument("--decode-loop", default="transformers",
+                    help="--trl-step: the fast trainer's decode loop(s), comma list of: transformers, graph")
+    ap.add_argument("--check-every", type=int, default=16, help="graph loop: decode steps between host checks")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--workdir", default="/tmp/bench_generation")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
@@ -302,6 +350,9 @@ def main(argv=None) -> int:
     names = [n.strip() for n in args.policy.split(",") if n.strip()]
     if unknown := [n for n in names if n not in POLICIES]:
         ap.error(f"unknown policy {unknown}; choose from {list(POLICIES)}")
+    loops = [n.strip() for n in args.decode_loop.split(",") if n.strip()]
+    if bad := [n for n in loops if n not in generation.DECODE_LOOPS]:
+        ap.error(f"unknown decode loop {bad}; choose from {list(generation.DECODE_LOOPS)}")
     if args.new_tokens is None:
         args.new_tokens = 16 if names == ["tiny"] else 256
     if names == ["tiny"] and args.prompt_length == 128:
@@ -323,19 +374,30 @@ def main(argv=None) -> int:
     rows = []
     if args.trl_step:
         for name in names:
-            for fast in (False, True):
-                rows.append(run_trl(name, args, device, dtype, fast))
+            for fast, loop in [(False, "transformers")] + [(True, loop) for loop in loops]:
+                try:
+                    rows.append(run_trl(name, args, device, dtype, fast, loop))
+                except Exception as exc:  # noqa: BLE001 - report, keep the other runs' numbers
+                    rows.append({"policy": name, "mode": f"fast-{loop}" if fast else "stock",
+                                 "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(limit=8)})
+                    gc.collect()
+                    torch._dynamo.reset()
                 print(json.dumps(rows[-1], default=str), flush=True)
         print(table(rows, [("policy", "policy"), ("path", "mode"), ("first step s", "first_step_s"),
                            ("first generation s", "first_generation_s"), ("step s", "step_s"),
                            ("generation s", "generation_s"), ("generation share", "generation_share"),
-                           ("timed steps", "steps_timed")]))
+                           ("timed steps", "steps_timed"), ("error", "error")]))
     else:
         for name in names:
             rows.append(bench_generate(name, args, device, dtype))
             print(json.dumps(rows[-1], default=str), flush=True)
         print(table(rows, [("policy", "policy"), ("eager ms/step", "eager_ms_per_decode_step"),
                            ("fast ms/step", "fast_ms_per_decode_step"), ("speed-up", "speedup_decode"),
+                           ("graph ms/step", "graph_ms_per_decode_step"),
+                           ("graph speed-up vs eager", "speedup_graph_decode"),
+                           ("first graph call s (compile)", "graph_first_call_s"),
+                           ("graph recompiles after warm-up", "graph_recompiles_after_warmup"),
+                           ("graph error", "graph_error"),
                            ("HBM floor ms/step (params)", "hbm_floor_ms_params"),
                            ("KV read ms/step (full cache)", "hbm_kv_ms_full_cache"),
                            ("first fast call s (compile)", "fast_first_call_s"),

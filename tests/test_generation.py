@@ -475,3 +475,291 @@ def test_gpu_trainer_steps_compile_once():
     assert state.graphs_compiled >= 1 and state.graphs_after_first_call == 0
     assert len(state.pool.caches) == 1
     assert _counts()[1] == skips0, "no CUDA-graph skip"
+
+
+# decode_loop="graph": one compiled step per token (forward + sampling + EOS bookkeeping) --------------
+
+
+def eos_prone_policy(seed=0, scale=1.5):
+    """The LoRA policy with the EOS row of the lm_head scaled up: some rows end early, others not."""
+    model = lora_policy(seed)
+    with torch.no_grad():
+        model.get_base_model().lm_head.weight[1] *= scale
+    return model
+
+
+def graph_config(counting, **kw):
+    return counting.config(decode_loop="graph", **kw)
+
+
+def test_graph_loop_greedy_equals_eager_generate_with_eos_pads_and_trim():
+    model = eos_prone_policy()
+    counting = Counting()
+    config = graph_config(counting, check_every=4)
+    stats0 = generation.GRAPH_STATS.calls
+    ended_early = trimmed = full = 0
+    for seed, lengths in enumerate(([5, 9, 7, 3], [11, 4, 8, 6], [2, 13, 9, 9], [6, 6, 10, 12])):
+        ids, mask = batch(lengths, seed=seed)
+        eager = eager_generate(model, ids, mask)
+        fast = fast_generate(model, ids, mask, generation_config=greedy(), config=config)
+        assert fast.shape == eager.shape and torch.equal(fast, eager), (lengths, fast, eager)
+        completion = eager[:, ids.shape[1]:]
+        has_eos = (completion == 1).any(1)
+        ended_early += int(has_eos.sum())
+        full += int((~has_eos).sum())
+        trimmed += completion.shape[1] < 12
+    assert generation.GRAPH_STATS.calls == stats0 + 4, "the graph loop ran (no fallback)"
+    # meaningful: rows ended with EOS then pads, rows ran to max_new_tokens, and a batch ended early (trim)
+    assert ended_early >= 2 and full >= 2 and trimmed >= 1, (ended_early, full, trimmed)
+    assert counting.compiles == 1, "one compiled decode step for every prompt length"
+    assert counting.runs >= 4 * 3, "the decode steps ran compiled"
+
+
+def test_graph_loop_no_recompilation_across_prompt_lengths_in_a_bucket():
+    model = lora_policy()
+    counting = Counting()
+    config = graph_config(counting, bucket=16)
+    for lengths in ([3, 5, 2, 4], [9, 4, 8, 6], [14, 13, 16, 1], [7, 7, 7, 7]):
+        ids, mask = batch(lengths, seed=len(lengths) + max(lengths))
+        fast_generate(model, ids, mask, generation_config=greedy(), config=config)
+    assert counting.compiles == 1 and counting.runs >= 4 * 11
+    # meaningful: a prompt above the bucket grows the cache, which recompiles the step
+    ids, mask = batch([17, 3, 5, 9])
+    assert torch.equal(fast_generate(model, ids, mask, generation_config=greedy(), config=config),
+                       eager_generate(model, ids, mask))
+    assert counting.compiles == 2
+
+
+def test_graph_loop_uses_weights_changed_by_an_optimizer_step():
+    model = lora_policy()
+    ids, mask = batch([5, 9, 7, 3])
+    counting = Counting()
+    config = graph_config(counting)
+    before = fast_generate(model, ids, mask, generation_config=greedy(), config=config)
+    assert torch.equal(before, eager_generate(model, ids, mask))
+    compiles = counting.compiles
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=0.05)
+    model.train()
+    targets = torch.randint(4, 19, before.shape, generator=torch.Generator().manual_seed(3))
+    full_mask = torch.cat([mask, torch.ones_like(before[:, ids.shape[1]:])], dim=1)
+    model(input_ids=before, attention_mask=full_mask, labels=targets).loss.backward()
+    opt.step()
+    opt.zero_grad()
+    after_eager = eager_generate(model, ids, mask)
+    assert not torch.equal(after_eager, before), "the step must change greedy output, or staleness is invisible"
+    assert torch.equal(fast_generate(model, ids, mask, generation_config=greedy(), config=config), after_eager)
+    assert counting.compiles == compiles, "the same compiled step ran with the new weights"
+
+
+def _warped_probs(logits, temperature, top_k, top_p):
+    """transformers' own warpers (Temperature -> TopK -> TopP), as generate builds them."""
+    from transformers.generation.logits_process import (
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    scores = logits.float()
+    if temperature != 1.0:
+        scores = TemperatureLogitsWarper(temperature)(None, scores)
+    if top_k:
+        scores = TopKLogitsWarper(top_k)(None, scores)
+    if top_p < 1.0:
+        scores = TopPLogitsWarper(top_p)(None, scores)
+    return scores.softmax(-1)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.6, 6, 1.0), (1.4, 0, 0.7), (0.8, 10, 0.85)])
+def test_graph_loop_sampling_distribution_matches_transformers_warpers(temperature, top_k, top_p):
+    from transformers import GenerationConfig
+
+    model = lora_policy()
+    with torch.no_grad():
+        model.get_base_model().lm_head.weight.mul_(8.0)  # peaked logits: temperature / truncation matter
+    n = 6000
+    prompt = torch.tensor([[5, 9, 4, 12, 7]])
+    ids, mask = prompt.expand(n, -1).contiguous(), torch.ones(n, 5, dtype=torch.long)
+    gc = GenerationConfig(max_new_tokens=2, do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p,
+                          pad_token_id=0, eos_token_id=[], disable_compile=True)
+    counting = Counting()
+    torch.manual_seed(0)
+    out = fast_generate(model, ids, mask, generation_config=gc, config=graph_config(counting))
+    assert counting.compiles == 1 and counting.runs == 1, "the second token came from the compiled step"
+    assert out.shape == (n, 7)
+    vocab = model.config.vocab_size
+
+    def check(tokens, logits, meaningful=True):
+        probs = _warped_probs(logits, temperature, top_k, top_p)[0].double()
+        freq = torch.bincount(tokens, minlength=vocab).double() / len(tokens)
+        bound = 4.5 * ((probs * (1 - probs)).max().item() / len(tokens)) ** 0.5 + 1e-3  # 4.5 sigma
+        dev = (freq - probs).abs().max().item()
+        assert dev < bound, (dev, bound)
+        assert freq[probs == 0].sum() == 0, "a token outside top-k / top-p was sampled"
+        assert (probs > 0).sum() >= 2, "a real sample, not a forced token"
+        if not meaningful:
+            return probs
+        # meaningful: a wrong temperature, or no truncation, is far outside the bound
+        wrong_t = _warped_probs(logits, 1.0, top_k, top_p)[0].double()
+        assert (wrong_t - probs).abs().max().item() > 2 * bound
+        assert logits.float().softmax(-1)[0][probs == 0].sum().item() > 2 * bound
+        return probs
+
+    with torch.no_grad(), sampling_mode(model):
+        first_logits = model(input_ids=prompt).logits[:, -1]
+    check(out[:, 5], first_logits)  # prefill sample
+    first = torch.bincount(out[:, 5], minlength=vocab).argmax()  # second token, given the likeliest first one
+    rows = out[:, 5] == first
+    assert rows.sum() >= 1000
+    with torch.no_grad(), sampling_mode(model):
+        second_logits = model(input_ids=torch.cat([prompt, first.view(1, 1)], 1)).logits[:, -1]
+    check(out[rows, 6], second_logits, meaningful=False)  # fewer rows: checked by the first token
+
+
+def test_graph_loop_unsupported_config_falls_back_and_warns_once():
+    from transformers import GenerationConfig
+
+    model = lora_policy()
+    ids, mask = batch([5, 9, 7, 3])
+    gc = GenerationConfig(max_new_tokens=8, do_sample=False, repetition_penalty=1.2, pad_token_id=0,
+                          disable_compile=True)
+    counting = Counting()
+    config = graph_config(counting)
+    fallbacks = generation.GRAPH_STATS.fallbacks
+    with pytest.warns(RuntimeWarning, match="falls back.*repetition_penalty"):
+        fast = fast_generate(model, ids, mask, generation_config=gc, config=config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again = fast_generate(model, ids, mask, generation_config=gc, config=config)
+    assert generation.GRAPH_STATS.fallbacks == fallbacks + 2 and torch.equal(fast, again)
+    assert counting.compiles == 1 and counting.runs > 0, "transformers' compiled loop ran"
+    with torch.no_grad(), sampling_mode(model):
+        eager = model.generate(input_ids=ids, attention_mask=mask, generation_config=gc)
+    assert torch.equal(fast, eager)
+    # meaningful: the penalty changes the tokens, so running the graph loop would have been wrong
+    assert not torch.equal(eager, eager_generate(model, ids, mask)[:, :eager.shape[1]])
+
+
+def test_graph_loop_trainer_step_through_apply():
+    import grpo_patches
+
+    grpo_patches.apply(fast_generation={"decode_loop": "graph", "force_compile": True, "backend": "aot_eager"})
+    try:
+        trainer = make_trainer(VARIED, max_steps=2, gradient_checkpointing=True, max_completion_length=8)
+        state = getattr(trainer, FAST_GEN_ATTR)
+        assert state.config.decode_loop == "graph"
+        seen = []
+        original = trainer._generate_single_turn
+
+        def spy(*a, **k):
+            out = original(*a, **k)
+            seen.append(out)
+            return out
+
+        trainer._generate_single_turn = spy
+        trainer.train()
+    finally:
+        grpo_patches.revert()
+    assert state.compiled and state.calls == 2
+    assert state.graph.calls == 2 and state.graph.fallbacks == 0 and state.graph.steps > 0
+    assert state.graphs_after_first_call == 0
+    for completion_ids, logprobs in seen:
+        assert len(completion_ids) == 4 and logprobs is None
+        assert all(1 <= len(c) <= 8 for c in completion_ids)
+        assert all(1 not in c[:-1] for c in completion_ids), "nothing after a row's EOS"
+    assert trainer.state.global_step == 2
+
+
+@gpu
+@pytest.mark.slow
+def test_gpu_graph_loop_default_inductor_equals_eager_no_stale_weights_no_recompile():
+    model = eos_prone_policy().cuda()
+    config = FastGenerationConfig(decode_loop="graph", check_every=4)  # inductor, CUDA graphs
+    graphs0, skips0 = _counts()
+    warm = None
+    for step, lengths in enumerate(([5, 9, 7, 3], [11, 4, 8, 6], [2, 13, 9, 9])):
+        ids, mask = (t.cuda() for t in batch(lengths, seed=step))
+        fast = fast_generate(model, ids, mask, generation_config=greedy(), config=config)
+        assert torch.equal(fast, eager_generate(model, ids, mask)), lengths
+        warm = warm if warm is not None else _counts()[0]
+    assert _counts()[0] == warm > graphs0, "no recompilation after the first call"
+    before = fast_generate(model, ids, mask, generation_config=greedy(), config=config)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.05)
+    model.train()
+    model(input_ids=before, labels=torch.randint(4, 19, before.shape, device="cuda")).loss.backward()
+    opt.step()
+    after_eager = eager_generate(model, ids, mask)
+    assert not torch.equal(after_eager, before)
+    assert torch.equal(fast_generate(model, ids, mask, generation_config=greedy(), config=config), after_eager)
+    assert _counts() == (warm, skips0), "no recompilation, no CUDA-graph skip"
+
+
+@gpu
+@pytest.mark.slow
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.6, 6, 1.0), (1.4, 0, 0.7)])
+def test_gpu_graph_loop_sampling_distribution(temperature, top_k, top_p):
+    from transformers import GenerationConfig
+
+    model = lora_policy().cuda()
+    with torch.no_grad():
+        model.get_base_model().lm_head.weight.mul_(8.0)
+    n = 8000
+    prompt = torch.tensor([[5, 9, 4, 12, 7]], device="cuda")
+    ids, mask = prompt.expand(n, -1).contiguous(), torch.ones(n, 5, dtype=torch.long, device="cuda")
+    gc = GenerationConfig(max_new_tokens=3, do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p,
+                          pad_token_id=0, eos_token_id=[], disable_compile=True)
+    config = FastGenerationConfig(decode_loop="graph")
+    torch.manual_seed(0)
+    fast_generate(model, ids, mask, generation_config=gc, config=config)  # warm-up (records the graph)
+    out = fast_generate(model, ids, mask, generation_config=gc, config=config).cpu()
+    vocab = model.config.vocab_size
+    first = torch.bincount(out[:, 5], minlength=vocab).argmax()
+    rows = out[:, 5] == first
+    with torch.no_grad(), sampling_mode(model):
+        logits = model(input_ids=torch.cat([prompt, first.view(1, 1).cuda()], 1)).logits[:, -1].cpu()
+    probs = _warped_probs(logits, temperature, top_k, top_p)[0].double()
+    freq = torch.bincount(out[rows, 6], minlength=vocab).double() / int(rows.sum())
+    bound = 4.5 * ((probs * (1 - probs)).max().item() / int(rows.sum())) ** 0.5 + 1e-3
+    assert (freq - probs).abs().max().item() < bound
+    assert freq[probs == 0].sum() == 0
+
+
+@gpu
+@pytest.mark.slow
+def test_gpu_graph_loop_trainer_steps_compile_once():
+    trainer = make_trainer(VARIED, max_steps=4, gradient_checkpointing=True, use_cpu=False)
+    state = enable_fast_generation(trainer, FastGenerationConfig(decode_loop="graph"))
+    _, skips0 = _counts()
+    trainer.train()
+    assert state.compiled and state.calls == 4
+    assert state.graph.calls == 4 and state.graph.fallbacks == 0
+    assert state.graphs_compiled >= 1 and state.graphs_after_first_call == 0
+    assert len(state.pool.caches) == 1
+    assert _counts()[1] == skips0, "no CUDA-graph skip"
+
+
+def test_decode_loop_config_validation():
+    assert FastGenerationConfig().decode_loop == "transformers" and FastGenerationConfig().check_every == 16
+    assert FastGenerationConfig.coerce({"decode_loop": "graph"}).decode_loop == "graph"
+    with pytest.raises(ValueError):
+        FastGenerationConfig(decode_loop="cuda")
+    with pytest.raises(ValueError):
+        FastGenerationConfig(check_every=0)
+
+
+def test_graph_loop_greedy_with_a_list_of_eos_ids_and_no_pad_id():
+    from transformers import GenerationConfig
+
+    model = eos_prone_policy()
+    ids, mask = batch([5, 9, 7, 3], seed=1)
+    # pad_token_id unset: generate pads with the first EOS id (transformers' rule), as the graph loop does
+    gc = GenerationConfig(max_new_tokens=12, do_sample=False, eos_token_id=[18, 1], disable_compile=True)
+    with torch.no_grad(), sampling_mode(model):
+        eager = model.generate(input_ids=ids, attention_mask=mask, generation_config=gc)
+    counting = Counting()
+    calls = generation.GRAPH_STATS.calls
+    fast = fast_generate(model, ids, mask, generation_config=gc, config=graph_config(counting, check_every=2))
+    assert generation.GRAPH_STATS.calls == calls + 1 and counting.runs > 0
+    assert torch.equal(fast, eager)
+    completion = eager[:, ids.shape[1]:]
+    assert (completion == 18).any() and completion.shape[1] < 12, "the second EOS id ended rows early"
