@@ -67,9 +67,10 @@ VARIANTS: dict[str, tuple[dict[str, Any] | None, dict[str, Any]]] = {
     "patched-local": ({"reward_placement": "local"}, {}),
     "patched-main": ({"reward_placement": "main"}, {}),
     "patched-fast": ({"reward_placement": "local", "fast_generation": True}, {}),
+    "patched-graph": ({"reward_placement": "local", "fast_generation": {"decode_loop": "graph"}}, {}),
 }
 #: step time / stock targets: no overhead (issue 5), 5x faster with fast generation (issue 6).
-STEP_TARGETS = {"patched-local": 1.01, "patched-main": 1.01, "patched-fast": 0.2}
+STEP_TARGETS = {"patched-local": 1.01, "patched-main": 1.01, "patched-fast": 0.2, "patched-graph": 0.2}
 SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>"]  # ids 0..3
 PROMPT_WORDS = 32
 GiB = 2**30
@@ -115,6 +116,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "launch of --nproc ranks (run this without a launcher)")
     p.add_argument("--nproc", type=int, default=1, help="ranks per probe with --find-max-batch")
     p.add_argument("--max-batch-limit", type=int, default=256, help="largest per-device batch probed")
+    p.add_argument("--start-batch", type=int, default=None, help="first probe (default: --num-generations)")
+    p.add_argument("--bisect-step", type=int, default=None,
+                   help="stop bisecting when the bracket is this narrow (default: --num-generations)")
     p.add_argument("--probe-timeout", type=float, default=900.0, help="seconds per probe launch")
     p.add_argument("--probe-steps", type=int, default=2,
                    help="steps per probe; the last one's tokens/s is the throughput at the largest batch")
@@ -603,7 +607,7 @@ def find_max_batch(args) -> int:
                 print(output[-3000:], flush=True)
             return ok
 
-        lo, hi, batch = 0, None, ng
+        lo, hi, batch = 0, None, args.start_batch or ng
         while batch <= args.max_batch_limit:
             if probe(batch):
                 lo, batch = batch, batch * 2
@@ -611,7 +615,7 @@ def find_max_batch(args) -> int:
                 hi = batch
                 break
         if hi is not None:
-            while hi - lo > ng:
+            while hi - lo > max(ng, args.bisect_step or ng):
                 mid = (lo + hi) // 2 // ng * ng
                 if mid <= lo:
                     break
@@ -841,7 +845,7 @@ def write_plots(out: Path, records: list[dict]) -> None:
 
     groups = run_groups(records)
     colors = {"stock": "#888888", "stock-nofind": "#bbbbbb", "patched-local": "#1f77b4", "patched-main": "#ff7f0e",
-              "patched-fast": "#2ca02c"}
+              "patched-fast": "#2ca02c", "patched-graph": "#d62728"}
 
     # step time: one group of bars per run, one bar per variant (slowest rank's median, min-max bars)
     fig, ax = plt.subplots(figsize=(max(6, 2.2 * len(groups)), 4))

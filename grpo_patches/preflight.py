@@ -91,7 +91,15 @@ _ACT_COEF: dict[str, dict[tuple[int, bool], dict[str, float]]] = {
         (4, False): {"hidden": 15.92, "intermediate": 16.45, "q": 8.23, "kv": 8.10, "heads": 23.5},
     },
 }
-_ACT_COEF["cuda"] = _ACT_COEF["cpu"]  # replaced by the H200 measurement below once made
+#: H200, torch 2.11 + CUDA 13, transformers 5.17, peft 0.21, SDPA (flash) attention; 9 Qwen2 layer shapes
+#: (0.5B-7B-like and off-grid) x seq 128 / 288, max residual 1.7% (benchmarks/results/2026-11-29-h200-x4/
+#: act_cuda.jsonl). q = hidden in every measured shape, so the two share one coefficient.
+_ACT_COEF["cuda"] = {
+    (2, True): {"hidden": 17.0, "intermediate": 9.36, "q": 17.0, "kv": 0.64, "heads": 69.1},
+    (2, False): {"hidden": 14.0, "intermediate": 8.36, "q": 14.0, "kv": 0.64, "heads": 69.1},
+    (4, True): {"hidden": 26.18, "intermediate": 17.18, "q": 26.18, "kv": 0.92, "heads": 133.39},
+    (4, False): {"hidden": 15.18, "intermediate": 16.18, "q": 15.18, "kv": 0.92, "heads": 133.39},
+}
 _FUSED_TOKEN_CHUNK = 4096  # trl.kernels.chunked_logprob.TOKEN_CHUNK_SIZE
 _FUSED_VOCAB_CHUNK = 32768  # trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE
 
