@@ -7,9 +7,9 @@
 #                                          # 2 GPUs: FSDP2 run with the patches, DDP find_unused True vs False
 #   bash benchmarks/h200_x4_session.sh 2   # 4 GPUs: stock / patched-local / patched-main / patched-fast,
 #                                          # then the multi-rank invariant tests over NCCL (2 and 4 ranks)
-#   bash benchmarks/h200_x4_session.sh 3   # 1 GPU again (part 1's patched runs hit a bug fixed since) with
-#                                          # the graph decode loop; 24 GB cap: largest batch + throughput,
-#                                          # stock vs kit (1.5B); generation GPU tests + decode benchmark
+#   bash benchmarks/h200_x4_session.sh 3   # (2 GPUs) 1 GPU again (part 1's patched runs hit a bug fixed
+#                                          # since) with the graph decode loop; 24 GB cap: largest batch and
+#                                          # throughput, stock vs kit (1.5B); generation GPU tests + decode bench
 #
 # Results land in benchmarks/results/2026-11-29-h200-x4/<job>/ and, for the device tool, in
 # $OUT/partN.tar.gz. Every job runs under `timeout`, so one hang cannot eat the call.
@@ -51,21 +51,18 @@ case $part in
   job nccl 240 "GRPO_PATCHES_TEST_DEVICE=cuda GRPO_PATCHES_INVARIANT_WORLD_SIZES=2,4 python3 -m pytest -v \
     tests/matrix/test_invariants.py tests/test_trl_main_placement.py tests/test_rewards_distributed.py"
   ;;
-3)
-  job gpu0 520 "CUDA_VISIBLE_DEVICES=0 GPUS=1 POLICY=1.5b GRAD_CKPT=off \
-    VARIANTS=stock,patched-local,patched-fast,patched-graph STEPS=3 BUDGET_S=510 BENCH_OUT=$R/1gpu-1.5b-ckptoff \
-    bash benchmarks/run_bench.sh"
-  job gpu1 520 "CUDA_VISIBLE_DEVICES=1 GPUS=1 POLICY=0.5b GRAD_CKPT=off \
-    VARIANTS=stock,patched-local,patched-fast,patched-graph STEPS=3 BUDGET_S=250 BENCH_OUT=$R/1gpu-0.5b-ckptoff \
-    bash benchmarks/run_bench.sh; CUDA_VISIBLE_DEVICES=1 python3 benchmarks/bench_grpo.py --find-max-batch --nproc 1 \
-    --mem-cap-gb 24 --policy 1.5b --grad-ckpt on --variants patched-fast --start-batch 128 --bisect-step 32 \
-    --max-batch-limit 256 --probe-timeout 150 --out $R/24gb-1.5b-kit"
-  job gpu2 520 "CUDA_VISIBLE_DEVICES=2 python3 -m pytest -v -k gpu tests/test_generation.py; \
-    CUDA_VISIBLE_DEVICES=2 python3 benchmarks/bench_generation.py --policy 1.5b --repeats 3 \
+3)  # on nvidia-h200-x2: x4 was no longer lent for this part
+  job gpu0 525 "CUDA_VISIBLE_DEVICES=0 GPUS=1 POLICY=1.5b GRAD_CKPT=off \
+    VARIANTS=stock,patched-local,patched-fast,patched-graph STEPS=3 BUDGET_S=320 BENCH_OUT=$R/1gpu-1.5b-ckptoff \
+    bash benchmarks/run_bench.sh; CUDA_VISIBLE_DEVICES=0 python3 benchmarks/bench_grpo.py --find-max-batch --nproc 1 \
+    --mem-cap-gb 24 --policy 1.5b --grad-ckpt on --variants patched-fast --start-batch 192 --bisect-step 64 \
+    --max-batch-limit 256 --probe-timeout 120 --out $R/24gb-1.5b-kit"
+  job gpu1 525 "CUDA_VISIBLE_DEVICES=1 python3 -m pytest -v -k gpu tests/test_generation.py; \
+    CUDA_VISIBLE_DEVICES=1 python3 benchmarks/bench_grpo.py --find-max-batch --nproc 1 \
+    --mem-cap-gb 24 --policy 1.5b --grad-ckpt on --variants stock --start-batch 192 --bisect-step 64 \
+    --max-batch-limit 256 --probe-timeout 120 --out $R/24gb-1.5b-stock; \
+    CUDA_VISIBLE_DEVICES=1 python3 benchmarks/bench_generation.py --policy 1.5b --repeats 2 \
     --out $R/generation_decode.json"
-  job gpu3 520 "CUDA_VISIBLE_DEVICES=3 python3 benchmarks/bench_grpo.py --find-max-batch --nproc 1 \
-    --mem-cap-gb 24 --policy 1.5b --grad-ckpt on --variants stock --start-batch 128 --bisect-step 32 \
-    --max-batch-limit 256 --probe-timeout 150 --out $R/24gb-1.5b-stock"
   ;;
 *) echo "part must be 1, 2 or 3" >&2; exit 2 ;;
 esac
