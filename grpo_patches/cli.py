@@ -56,6 +56,8 @@ def _add_doctor(sub: Any) -> None:
     p.add_argument("--dtype", help="dtype of the frozen policy weights (default: bf16 when bf16 is on)")
     p.add_argument("--logits-mode", choices=("auto", "fused", "full"), default="auto",
                    help="how the trainer computes log-probs: TRL's fused LM head or full logits (default: detect)")
+    p.add_argument("--fast-generation", action="store_true",
+                   help="the run uses apply(fast_generation=...): its static KV cache stays resident")
     p.set_defaults(func=_doctor)
 
 
@@ -83,6 +85,7 @@ def _doctor(args: argparse.Namespace) -> int:
             prompt_length=args.prompt_length,
             dtype=args.dtype,
             logits_mode=args.logits_mode,
+            fast_generation=args.fast_generation,
             raise_on_error=False,
             warn=False,
         )

@@ -12,7 +12,7 @@ decoding around TRL's ``_generate_single_turn`` and nothing else:
   eager. Weights are read from the modules at every call (dynamo inlines ``nn.Module`` s and lifts
   parameters as graph inputs; CUDA graphs see in-place optimizer updates at the same addresses),
   so an optimizer step never leaves stale weights in the compiled path (tested).
-* **Graph decode loop (``decode_loop="graph"``, opt-in).** With transformers' loop the compiled
+* **Graph decode loop (``decode_loop="graph"``, the default).** With transformers' loop the compiled
   forward is only part of a token: logits processors, sampling, input preparation, kwargs updates
   and the stopping check run eagerly in Python every token, and the stopping check syncs host and
   GPU every token, so host work serializes with the graph replay (10.9 ms per step for the 1.5B
@@ -28,6 +28,9 @@ decoding around TRL's ``_generate_single_turn`` and nothing else:
   it does not implement (penalties, ``min_p``, ``min_new_tokens``, beams, extra processors or
   stopping criteria, score outputs, ``record_sampling_logprobs``...) goes to transformers' loop,
   with one warning saying why: a silently different sampler would be worse than a slower one.
+  Measured on an H200 (1.5B policy, 8 x 256 tokens): 5.62 ms per decode step vs 10.2 ms for
+  transformers' compiled loop and 57.8 ms eager; GRPO step 0.157x stock vs 0.177x
+  (benchmarks/results/2026-11-29-h200-x4/). ``decode_loop="transformers"`` keeps transformers' loop.
 * **Cache-length bucketing (no recompilation when prompt lengths change).** The decode graph's
   shapes are (batch, static cache length); the prompt length enters only through the cache length
   (transformers sizes it ``prompt + max_new_tokens - 1``, so every new prompt length recompiled:
@@ -155,7 +158,7 @@ class FastGenerationConfig:
     options: dict | None = None
     reuse_cache: bool = True
     record_sampling_logprobs: bool = False
-    decode_loop: str = "transformers"
+    decode_loop: str = "graph"
     check_every: int = 16
 
     def __post_init__(self) -> None:

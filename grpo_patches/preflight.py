@@ -548,6 +548,7 @@ def _estimate(
     capacity: int | None,
     overhead: int,
     fragmentation: float,
+    static_cache: int | None = None,
 ) -> list[RankEstimate]:
     tokens = batch * (prompt + completion)
     n_gen = batch * steps
@@ -563,7 +564,8 @@ def _estimate(
         "activations": _activations(arch, tokens, act, dropout, checkpointing),
         "logits_logps": _logits(arch, batch, completion, act, logits_mode),
         "autocast_cache": _autocast_copies(params, arch, w_bytes, act, checkpointing),
-        "kv_cache": kv_layer * arch.layers + kv_layer,
+        "kv_cache": (kv_layer * arch.layers + kv_layer if static_cache is None
+                     else 2 * arch.kv * static_cache * n_gen * act * arch.layers),
         "generation_transient": _prefill_transient(arch, n_gen * prompt, act) + n_gen * arch.vocab * 4 * 3,
     }
     estimates = []
@@ -586,8 +588,12 @@ def _estimate(
         comp["reward_weights"] = rm_weights
         comp["reward_scoring"] = rm_scoring
         resident = comp["weights"] + comp["lora_params"] + comp["optimizer_state"] + rm_weights + ddp
+        # Fast generation keeps its static cache between steps (the CUDA graphs read it in place), so it
+        # is resident in every phase rather than a generation-only transient.
+        kv_resident = comp["kv_cache"] if static_cache is not None else 0
+        resident += kv_resident
         phases = {
-            "generation": resident + comp["kv_cache"] + comp["generation_transient"],
+            "generation": resident - kv_resident + comp["kv_cache"] + comp["generation_transient"],
             "scoring": resident + rm_scoring,
             "training": resident + comp["lora_grads"] - ddp + comp["activations"] + comp["logits_logps"]
             + comp["autocast_cache"],
@@ -616,6 +622,7 @@ def preflight(
     fragmentation: float = 0.05,
     raise_on_error: bool = True,
     warn: bool = True,
+    fast_generation: bool = False,
 ) -> PreflightReport:
     """Predict each rank's peak memory by component and check the run's shape before it starts.
 
@@ -625,7 +632,9 @@ def preflight(
     :class:`RewardModelSpec` (callables count as rule-based functions); ``reward_placement``: "local"
     (every rank) or "main" (rank 0); ``prompt_length``: tokens (default: the config's
     ``max_prompt_length``, else 256); ``dtype``: the frozen weights' dtype (default: the config's
-    ``model_init_kwargs`` dtype, else bf16 when bf16 is on).
+    ``model_init_kwargs`` dtype, else bf16 when bf16 is on); ``fast_generation``: the run uses
+    ``apply(fast_generation=...)``, whose static KV cache (prompt rounded up to 64 + completion)
+    stays allocated through training.
 
     Errors (a group split across ranks, a predicted peak over ``gpu_memory_gb``) raise
     ``ValueError`` (:class:`GroupShapeError` / :class:`PreflightError`) with the fix when
@@ -704,7 +713,8 @@ def preflight(
     common = dict(world_size=world_size, batch=batch, steps=steps, prompt=prompt, completion=completion,
                   w_bytes=_dtype_bytes(dtype), act=_dtype_bytes(compute_dtype), dropout=dropout, optim=optim,
                   logits_mode=mode, rewards=rewards, placement=reward_placement, capacity=capacity,
-                  overhead=int(overhead_gb * GiB), fragmentation=fragmentation)
+                  overhead=int(overhead_gb * GiB), fragmentation=fragmentation,
+                  static_cache=-(-prompt // 64) * 64 + completion if fast_generation else None)
     ranks = _estimate(arch, params, checkpointing=checkpointing, **common)
     act_ckpt = _activations(arch, batch * (prompt + completion), common["act"], dropout, True)
     act_full = _activations(arch, batch * (prompt + completion), common["act"], dropout, False)

@@ -242,7 +242,7 @@ def test_no_recompilation_across_steps_with_different_prompt_lengths():
     assert counting.compiles == 1 and state.graphs_after_first_call == 0
     assert counting.runs >= 4 * 6, "decoding ran compiled at every step"
     # one static cache, reset in place at every step: stable addresses for CUDA graphs
-    assert len(caches) == 4 and all(c is caches[0] for c in caches)
+    assert len(caches) >= 4 and all(c is caches[0] for c in caches)
     assert caches[0].layers[0].max_cache_len == 16 + 8
     # the run did contain the upstream condition that would otherwise recompile at every step:
     # gradient checkpointing's input hooks pile up on the embeddings (TRL toggles it per generation)
@@ -739,7 +739,7 @@ def test_gpu_graph_loop_trainer_steps_compile_once():
 
 
 def test_decode_loop_config_validation():
-    assert FastGenerationConfig().decode_loop == "transformers" and FastGenerationConfig().check_every == 16
+    assert FastGenerationConfig().decode_loop == "graph" and FastGenerationConfig().check_every == 16
     assert FastGenerationConfig.coerce({"decode_loop": "graph"}).decode_loop == "graph"
     with pytest.raises(ValueError):
         FastGenerationConfig(decode_loop="cuda")
