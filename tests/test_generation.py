@@ -682,6 +682,32 @@ def test_gpu_graph_loop_sampling_distribution(temperature, top_k, top_p):
     assert freq[probs == 0].sum() == 0
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[gpu, pytest.mark.slow])])
+def test_graph_loop_draws_fresh_noise_at_every_step(device):
+    """Uniform logits (a zero lm_head): every step samples uniformly over the vocabulary. A compiled
+    step (or a CUDA-graph replay) that reused its random numbers would repeat the previous token in
+    every row; fresh noise repeats it with probability 1 / vocab."""
+    from transformers import GenerationConfig
+
+    model = lora_policy().to(device)
+    with torch.no_grad():
+        model.get_base_model().lm_head.weight.zero_()
+    vocab = model.config.vocab_size
+    ids, mask = batch([5, 9, 7, 3] * 16)
+    gc = GenerationConfig(max_new_tokens=24, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                          pad_token_id=0, eos_token_id=[], disable_compile=True)
+    config = (FastGenerationConfig(decode_loop="graph") if device == "cuda"
+              else FastGenerationConfig(decode_loop="graph", force_compile=True, backend="aot_eager"))
+    outs = [fast_generate(model, ids.to(device), mask.to(device), generation_config=gc, config=config).cpu()
+            for _ in range(2)]  # the second call replays what the first recorded
+    for out in outs:
+        new = out[:, ids.shape[1]:]
+        repeats = (new[:, 2:] == new[:, 1:-1]).double().mean().item()  # compiled steps only
+        assert repeats < 4 / vocab + 0.02, f"adjacent tokens equal in {repeats:.1%} of steps"
+        assert len(set(new[:, -1].tolist())) > vocab // 4, "rows must draw independently"
+    assert not torch.equal(outs[0], outs[1]), "two calls must not replay the same samples"
+
+
 @gpu
 @pytest.mark.slow
 def test_gpu_graph_loop_trainer_steps_compile_once():
