@@ -60,15 +60,21 @@ if str(ROOT) not in sys.path:
 
 #: variant -> (apply() options or None for stock TRL, GRPOConfig overrides). ``stock-nofind`` is stock
 #: with the kit's pinned ``ddp_find_unused_parameters=False`` (the one memory default measured alone);
-#: ``patched-fast`` is the kit as its README recommends on GPU (local rewards + fast generation).
+#: ``patched-fast`` / ``patched-graph``: local rewards + fast generation with transformers' / the
+#: kit's decode loop. ``stock-graph`` is unpatched TRL whose trainer alone gets the kit's fast
+#: generation (``enable_fast_generation``): against ``patched-graph`` it isolates the patch's own
+#: cost with the same, low-noise generation (eager generation varies 10-18% between runs).
 VARIANTS: dict[str, tuple[dict[str, Any] | None, dict[str, Any]]] = {
     "stock": (None, {}),
     "stock-nofind": (None, {"ddp_find_unused_parameters": False}),
+    "stock-graph": (None, {}),
     "patched-local": ({"reward_placement": "local"}, {}),
     "patched-main": ({"reward_placement": "main"}, {}),
-    "patched-fast": ({"reward_placement": "local", "fast_generation": True}, {}),
+    "patched-fast": ({"reward_placement": "local", "fast_generation": {"decode_loop": "transformers"}}, {}),
     "patched-graph": ({"reward_placement": "local", "fast_generation": {"decode_loop": "graph"}}, {}),
 }
+#: (variant, baseline, target): the patch's overhead where both sides generate the same way.
+OVERHEAD_PAIRS = [("patched-graph", "stock-graph", 1.01)]
 #: step time / stock targets: no overhead (issue 5), 5x faster with fast generation (issue 6).
 STEP_TARGETS = {"patched-local": 1.01, "patched-main": 1.01, "patched-fast": 0.2, "patched-graph": 0.2}
 SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>"]  # ids 0..3
@@ -391,6 +397,10 @@ def run_variant(args, variant: str, round_idx: int, ctx: dict[str, Any]) -> dict
         peft_config=lora, callbacks=[timer.callback()],
     )
     del policy, reward_model  # the trainer holds what it uses
+    if variant == "stock-graph":
+        from grpo_patches.generation import enable_fast_generation
+
+        enable_fast_generation(trainer, {"decode_loop": "graph"})
     trainer.remove_callback(PrinterCallback)  # no dump of every log dict
     rm_local = any(isinstance(f, torch.nn.Module) for f in trainer.reward_funcs)
     distributed = str(trainer.accelerator.distributed_type).split(".")[-1]  # NO / MULTI_GPU / FSDP / ...
@@ -421,7 +431,8 @@ def run_variant(args, variant: str, round_idx: int, ctx: dict[str, Any]) -> dict
     return {
         "variant": variant, "round": round_idx, "rank": rank, "world_size": world,
         "reward_placement": placement, "reward_model_on_this_rank": rm_local, "distributed": distributed,
-        "fast_generation": bool(options and options.get("fast_generation")), "config_overrides": config_overrides,
+        "fast_generation": bool(options and options.get("fast_generation")) or variant == "stock-graph",
+        "config_overrides": config_overrides,
         "build_s": build_s, "train_s": train_s, "steps_recorded": len(timer.steps),
         "warmup_steps": [derive(s) for s in timer.steps[: args.warmup]],
         "timed_steps": derived, "summary": summary, "trainable_params": trainable, **mem,
@@ -687,13 +698,13 @@ def med(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
-def paired_round_ratios(recs: list[dict], variant: str) -> list[float]:
-    """variant / stock step time within each round (variants alternate inside a round)."""
+def paired_round_ratios(recs: list[dict], variant: str, base: str = "stock") -> list[float]:
+    """variant / base step time within each round (variants alternate inside a round)."""
     out = []
     for r in sorted({rec["round"] for rec in recs}):
         vr = per_variant_rank([rec for rec in recs if rec["round"] == r])
-        if any(v == variant for v, _ in vr) and any(v == "stock" for v, _ in vr):
-            out.append(slowest_rank_median(vr, variant) / slowest_rank_median(vr, "stock"))
+        if any(v == variant for v, _ in vr) and any(v == base for v, _ in vr):
+            out.append(slowest_rank_median(vr, variant) / slowest_rank_median(vr, base))
     return out
 
 
@@ -773,6 +784,17 @@ def write_reports(out: Path) -> None:
                     pays = f"pays off after {1 + math.ceil(extra / saved)} steps" if saved > 0 else "never pays off"
                     lines.append(f"- {variant} first step {max(first):.1f} s vs stock {max(first_stock):.1f} s "
                                  f"(compilation {extra:+.1f} s); each later step saves {saved:.2f} s: {pays}")
+        for variant, base, target in OVERHEAD_PAIRS:
+            if variant in variants and base in variants:
+                ratio = slowest_rank_median(vr, variant) / slowest_rank_median(vr, base)
+                lines.append(f"- step time {variant} / {base} (the patch's own cost, same generation): {ratio:.3f} "
+                             f"-> {'PASS' if ratio <= target else 'FAIL'} (target <= {target})")
+                paired = paired_round_ratios(recs, variant, base)
+                if len(paired) > 1:
+                    pm = statistics.median(paired)
+                    lines.append(f"- {variant} / {base} per round ({len(paired)} rounds): median {pm:.3f}, range "
+                                 f"{min(paired):.3f}-{max(paired):.3f} -> {'PASS' if pm <= target else 'FAIL'} "
+                                 f"(target <= {target})")
         if "stock" in variants and "patched-main" in variants:
             non_main = [rk for rk in ranks if rk != 0]
             if not non_main or not any(r.get("peak_allocated_bytes") for r in recs):
@@ -845,7 +867,7 @@ def write_plots(out: Path, records: list[dict]) -> None:
 
     groups = run_groups(records)
     colors = {"stock": "#888888", "stock-nofind": "#bbbbbb", "patched-local": "#1f77b4", "patched-main": "#ff7f0e",
-              "patched-fast": "#2ca02c", "patched-graph": "#d62728"}
+              "patched-fast": "#2ca02c", "patched-graph": "#d62728", "stock-graph": "#9467bd"}
 
     # step time: one group of bars per run, one bar per variant (slowest rank's median, min-max bars)
     fig, ax = plt.subplots(figsize=(max(6, 2.2 * len(groups)), 4))

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# What the 2026-11-29 GPU session left unmeasured (issues 5 and 6), for nvidia-h200-x2, two calls < 10 min:
+#
+#   bash benchmarks/gpu_followup.sh 1   # GPU0: the patch's own overhead, paired rounds, stock-graph vs patched-graph
+#                                       #       (both sample through the kit's fast path, so generation noise cancels)
+#                                       # GPU1: GPU tests of the graph loop (fresh noise per replay) + the 24 GB
+#                                       #       bracket of the graph loop (160 / 176; 144 fits, 192 does not)
+#   bash benchmarks/gpu_followup.sh 2   # 2 GPUs: stock vs patched-graph, 0.5B and 1.5B (step <= 0.2x on 2 GPUs)
+#
+# Results: benchmarks/results/<date>-h200-followup/<job>/ and $OUT/partN.tar.gz.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+part=${1:?part 1 or 2}
+R=${R:-benchmarks/results/$(date +%F)-h200-followup}
+mkdir -p "$R"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
+       NVSHMEM_DISABLE_NVLS=1
+log() { echo "[followup $(date +%T)] $*"; }
+job() {  # job NAME SECONDS CMD...: in the background, logged to $R/NAME.log
+  local name=$1 secs=$2; shift 2
+  ( log "start $name"; timeout --signal=TERM --kill-after=15 "$secs" bash -c "$*" > "$R/$name.log" 2>&1
+    log "end $name rc=$?" ) &
+}
+case $part in
+1)
+  job overhead 540 "CUDA_VISIBLE_DEVICES=0 GPUS=1 POLICY=0.5b VARIANTS=stock-graph,patched-graph STEPS=4 ROUNDS=4 \
+    BUDGET_S=530 BENCH_OUT=$R/1gpu-0.5b-overhead bash benchmarks/run_bench.sh"
+  job graph 540 "CUDA_VISIBLE_DEVICES=1 python3 -m pytest -v -k 'gpu or cuda' tests/test_generation.py; \
+    for b in 160 176; do CUDA_VISIBLE_DEVICES=1 python3 benchmarks/bench_grpo.py --find-max-batch --nproc 1 \
+      --mem-cap-gb 24 --policy 1.5b --grad-ckpt on --variants patched-graph --start-batch \$b --max-batch-limit \$b \
+      --probe-timeout 150 --out $R/24gb-1.5b-graph-\$b; done"
+  ;;
+2)
+  job 2gpu-0.5b 280 "GPUS=2 POLICY=0.5b VARIANTS=stock,patched-graph STEPS=3 BUDGET_S=270 \
+    BENCH_OUT=$R/2gpu-0.5b bash benchmarks/run_bench.sh"
+  wait
+  job 2gpu-1.5b 280 "GPUS=2 POLICY=1.5b VARIANTS=stock,patched-graph STEPS=3 BUDGET_S=270 \
+    BENCH_OUT=$R/2gpu-1.5b bash benchmarks/run_bench.sh"
+  ;;
+*) echo "part must be 1 or 2" >&2; exit 2 ;;
+esac
+wait
+log "part $part done"
+if [ -n "${OUT:-}" ]; then tar czf "$OUT/part$part.tar.gz" "$R"; fi
