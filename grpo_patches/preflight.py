@@ -41,11 +41,13 @@ transient), scoring (+ reward scoring), training (+ LoRA grads + activations + l
 cache). ``peak`` is comparable with ``torch.cuda.max_memory_allocated()``; ``fits`` also adds
 ``overhead_gb`` (CUDA context, NCCL buffers) and ``fragmentation`` (allocator slack) on top.
 
-``_ACT_COEF`` was measured on CPU (torch 2.13, transformers 5.20, peft 0.21) by summing the unique
-storages of the tensors autograd saves (``torch.autograd.graph.saved_tensors_hooks``) for Llama
-decoder layers with the pinned LoRA adapter, over eight shapes, least squares: residual < 0.5%.
-``tests/test_preflight.py`` re-measures it. The GPU calibration (attention kernels, allocator) is
-recorded in docs/defaults_preflight_monitor.md.
+``_ACT_COEF`` holds one table per device kind, each measured on that device by summing the unique
+storages of the tensors autograd saves (``torch.autograd.graph.saved_tensors_hooks``) for decoder
+layers with the pinned LoRA adapter over several shapes, least squares
+(``benchmarks/calibrate_activations.py``). Predictions use the CUDA table (H200: residual <= 1.7%;
+peaks within -4.6% to +8.9% of measured runs, docs/defaults_preflight_monitor.md);
+``tests/test_preflight.py`` re-measures the CPU table. With ``fast_generation=True`` the static KV
+cache is resident in every phase.
 """
 
 from __future__ import annotations
@@ -100,6 +102,7 @@ _ACT_COEF["cuda"] = {
     (4, True): {"hidden": 26.18, "intermediate": 17.18, "q": 26.18, "kv": 0.92, "heads": 133.39},
     (4, False): {"hidden": 15.18, "intermediate": 16.18, "q": 15.18, "kv": 0.92, "heads": 133.39},
 }
+_STATIC_CACHE_BUCKET = 64  # generation.FastGenerationConfig.bucket's default: cache = round_up(prompt) + completion
 _FUSED_TOKEN_CHUNK = 4096  # trl.kernels.chunked_logprob.TOKEN_CHUNK_SIZE
 _FUSED_VOCAB_CHUNK = 32768  # trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE
 
@@ -714,7 +717,8 @@ def preflight(
                   w_bytes=_dtype_bytes(dtype), act=_dtype_bytes(compute_dtype), dropout=dropout, optim=optim,
                   logits_mode=mode, rewards=rewards, placement=reward_placement, capacity=capacity,
                   overhead=int(overhead_gb * GiB), fragmentation=fragmentation,
-                  static_cache=-(-prompt // 64) * 64 + completion if fast_generation else None)
+                  static_cache=(-(-prompt // _STATIC_CACHE_BUCKET) * _STATIC_CACHE_BUCKET + completion
+                                if fast_generation else None))
     ranks = _estimate(arch, params, checkpointing=checkpointing, **common)
     act_ckpt = _activations(arch, batch * (prompt + completion), common["act"], dropout, True)
     act_full = _activations(arch, batch * (prompt + completion), common["act"], dropout, False)
