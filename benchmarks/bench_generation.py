@@ -48,7 +48,6 @@ from grpo_patches import generation  # noqa: E402
 from grpo_patches.generation import FastGenerationConfig, enable_fast_generation, fast_generate  # noqa: E402
 
 H200_BYTES_PER_S = 4.8e12
-PROJ = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 POLICIES = {
     # Qwen2.5-0.5B / 1.5B shapes (tied embeddings, GQA with 2 KV heads, vocab 151936)
     "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
@@ -73,8 +72,9 @@ def graphs() -> int:
 
 
 def build_policy(name: str, dtype: torch.dtype, device: torch.device, seed: int = 0):
-    from peft import LoraConfig
     from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from grpo_patches.defaults import lora_config
 
     torch.manual_seed(seed)
     config = Qwen2Config(max_position_embeddings=4096, pad_token_id=PAD, eos_token_id=EOS, bos_token_id=BOS,
@@ -82,7 +82,7 @@ def build_policy(name: str, dtype: torch.dtype, device: torch.device, seed: int 
     with torch.device(device):  # random init directly on the GPU (seconds, not minutes, for 1.5B)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.generation_config.pad_token_id, model.generation_config.eos_token_id = PAD, EOS
-    return model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, target_modules=PROJ, task_type="CAUSAL_LM")
+    return model, lora_config()  # the kit's pinned LoRA: r16, alpha 32, dropout 0.05, all seven projections
 
 
 def randomize_lora_b(model, seed: int = 1):

@@ -91,7 +91,6 @@ POLICIES: dict[str, dict[str, Any]] = {
                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
 }
 REWARD_MODEL = {"0.5b": "0.5b", "1.5b": "0.5b", "tiny": "tiny"}  # reward model shape per policy
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def log(msg: str, rank: int = 0) -> None:
@@ -354,12 +353,12 @@ def summarize(values: list[float]) -> dict[str, float]:
 
 def run_variant(args, variant: str, round_idx: int, ctx: dict[str, Any]) -> dict[str, Any]:
     import torch
-    from peft import LoraConfig
     from transformers import set_seed
     from transformers.trainer_callback import PrinterCallback
     from trl import GRPOConfig, GRPOTrainer
 
     import grpo_patches
+    from grpo_patches.defaults import lora_config
 
     rank, world, cuda = ctx["rank"], ctx["world_size"], ctx["cuda"]
     test_oom = os.environ.get("BENCH_TEST_OOM_ABOVE")  # CPU test hook for --find-max-batch
@@ -387,7 +386,7 @@ def run_variant(args, variant: str, round_idx: int, ctx: dict[str, Any]) -> dict
         bf16=cuda, use_cpu=not cuda, report_to=[], save_strategy="no", logging_steps=1,
         disable_tqdm=True, seed=args.seed, dataloader_num_workers=0, **config_overrides,
     )
-    lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, target_modules=LORA_TARGETS, task_type="CAUSAL_LM")
+    lora = lora_config()  # the kit's pinned LoRA: r16, alpha 32, dropout 0.05, all seven projections
     label = f"{variant}#{round_idx}"
     timer = StepTimer(cuda, rank, label, total_steps)
     t_build = time.perf_counter()
