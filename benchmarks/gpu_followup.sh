@@ -13,14 +13,8 @@ cd "$(dirname "$0")/.."
 part=${1:?part 1 or 2}
 R=${R:-benchmarks/results/$(date +%F)-h200-followup}
 mkdir -p "$R"
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
-       NVSHMEM_DISABLE_NVLS=1
-log() { echo "[followup $(date +%T)] $*"; }
-job() {  # job NAME SECONDS CMD...: in the background, logged to $R/NAME.log
-  local name=$1 secs=$2; shift 2
-  ( log "start $name"; timeout --signal=TERM --kill-after=15 "$secs" bash -c "$*" > "$R/$name.log" 2>&1
-    log "end $name rc=$?" ) &
-}
+TAG=followup
+. benchmarks/device_jobs.sh
 case $part in
 1)
   job overhead 540 "CUDA_VISIBLE_DEVICES=0 GPUS=1 POLICY=0.5b VARIANTS=stock-graph,patched-graph STEPS=4 ROUNDS=4 \

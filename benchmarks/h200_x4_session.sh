@@ -18,16 +18,9 @@ cd "$(dirname "$0")/.."
 part=${1:?part 1, 2 or 3}
 R=${R:-benchmarks/results/2026-11-29-h200-x4}
 mkdir -p "$R"
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
-       NVSHMEM_DISABLE_NVLS=1
-log() { echo "[x4 $(date +%T)] $*"; }
+TAG=x4
+. benchmarks/device_jobs.sh
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
-
-job() {  # job NAME SECONDS CMD...: run in the background, log to $R/NAME.log
-  local name=$1 secs=$2; shift 2
-  ( log "start $name"; timeout --signal=TERM --kill-after=15 "$secs" bash -c "$*" > "$R/$name.log" 2>&1
-    log "end $name rc=$?" ) &
-}
 
 case $part in
 1)

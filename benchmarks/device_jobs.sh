@@ -1,0 +1,12 @@
+# Sourced by the device-session scripts: the environment every GPU process needs, and `job`, which
+# runs one command in the background under `timeout` (one hang cannot eat the call), logged to
+# $R/NAME.log. The caller sets R (results folder) and TAG (log prefix).
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+# NVLink multicast stays off (shared hosts): keep these set for every process started here.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+log() { echo "[$TAG $(date +%T)] $*"; }
+job() {  # job NAME SECONDS CMD...
+  local name=$1 secs=$2; shift 2
+  ( log "start $name"; timeout --signal=TERM --kill-after=15 "$secs" bash -c "$*" > "$R/$name.log" 2>&1
+    log "end $name rc=$?" ) &
+}
