@@ -662,14 +662,29 @@ def _graph_decode(model: nn.Module, cache: Any, input_ids: torch.Tensor, attenti
     return torch.cat([input_ids, out[:, :new]], dim=1)
 
 
+def _pooled_generate(model: nn.Module, pool: StaticCachePool | None, **kwargs: Any) -> Any:
+    """``model.generate`` on the pool's cache for this batch (reset here, once per call), or on
+    whatever cache the call brings or transformers builds (``pool=None``)."""
+    if pool is not None and kwargs.get("past_key_values") is None:
+        kwargs["past_key_values"] = pool.get(model, kwargs["input_ids"].shape[0])
+    return type(model).generate(model, **kwargs)
+
+
 def _graph_generate(model: nn.Module, *, pool: StaticCachePool, config: FastGenerationConfig,
                     stats: GraphDecodeStats, fallback: Callable, input_ids: torch.Tensor | None = None,
                     attention_mask: torch.Tensor | None = None, generation_config: Any = None,
                     **kwargs: Any) -> Any:
-    """``model.generate`` replacement for one call: the graph loop, or ``fallback`` (warned once)."""
+    """``model.generate`` replacement for one call: the graph loop, or ``fallback`` (warned once).
+
+    The loop prefills from position 0, so a call that brings its own ``past_key_values`` (which may
+    hold a prefix) goes to ``fallback``. Its cache is the pool's (``reuse_cache``: one reset per
+    call) or a new static cache.
+    """
     reason = ""
     if input_ids is None:
         reason = "no input_ids"
+    elif kwargs.get("past_key_values") is not None:
+        reason = "generate(..., past_key_values=...) is not supported"
     else:
         s, max_new, reason = graph_decode_support(model, generation_config, input_ids.shape[1], kwargs)
     if reason:
@@ -679,8 +694,14 @@ def _graph_generate(model: nn.Module, *, pool: StaticCachePool, config: FastGene
                    f"grpo_patches fast_generation: decode_loop='graph' falls back to transformers' loop ({reason}).")
         return fallback(input_ids=input_ids, attention_mask=attention_mask, generation_config=generation_config,
                         **kwargs)
-    pool.grow(cache_length(input_ids.shape[1], max_new, config))
-    cache = pool.get(model, input_ids.shape[0])
+    kwargs.pop("past_key_values", None)
+    length = pool.grow(cache_length(input_ids.shape[1], max_new, config))
+    if config.reuse_cache:
+        cache = pool.get(model, input_ids.shape[0])
+    else:
+        from transformers import StaticCache
+
+        cache = StaticCache(config=model.config, max_cache_len=length)
     with torch.no_grad():
         return _graph_decode(model, cache, input_ids, attention_mask, s, max_new, config, stats)
 
@@ -717,12 +738,12 @@ def wrap_generate(wrapped, instance, args, kwargs):
     gen_config = build_generation_config(instance.generation_config, config, prompt_length=prompt_length,
                                          device=device, compiled=state.compiled)
     inject: dict[str, Any] = {}
+    pool = state.pool if state.compiled and config.reuse_cache else None  # its cache is fetched per call
     if state.compiled:
         state.cache_length = state.pool.grow(gen_config.max_cache_len)
         gen_config.max_cache_len = state.cache_length
-        if config.reuse_cache:
+        if pool is not None:
             gen_config.cache_implementation = None  # transformers refuses both a cache and an implementation
-            inject["past_key_values"] = state.pool.get(model, len(prompt_ids))
     recorder = SampledLogprobs(gen_config.temperature) if config.record_sampling_logprobs else None
     if recorder is not None:
         from transformers import LogitsProcessorList
@@ -741,12 +762,12 @@ def wrap_generate(wrapped, instance, args, kwargs):
         if multiple != trl_multiple:
             stack.enter_context(_patched_attr(instance, "pad_to_multiple_of", multiple))
         if graph:  # TRL's call is `generate(**inputs, generation_config=...)`: ours for this call only
-            fallback = functools.partial(type(model).generate, model, **inject)
+            fallback = functools.partial(_pooled_generate, model, pool)
             generate = functools.partial(_graph_generate, model, pool=state.pool, config=config, stats=state.graph,
                                          fallback=fallback)
             stack.enter_context(_patched_attr(model, "generate", generate))
-        elif inject:
-            generate = functools.partial(type(model).generate, model, **inject)
+        elif inject or pool is not None:
+            generate = functools.partial(_pooled_generate, model, pool, **inject)
             stack.enter_context(_patched_attr(model, "generate", generate))
         stack.enter_context(sampling_mode(model, config.dropout_off_while_sampling))
         if state.compiled:
@@ -821,26 +842,24 @@ def fast_generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: tor
         input_ids, attention_mask = left_pad(input_ids, attention_mask, config.bucket,
                                              pad_token_id=base.pad_token_id or 0)
     gc = build_generation_config(base, config, prompt_length=input_ids.shape[1], device=device, compiled=compiled)
+    pool = _POOLS.setdefault(model, StaticCachePool()) if compiled else None
     if compiled:
-        pool = _POOLS.setdefault(model, StaticCachePool())
         gc.max_cache_len = pool.grow(gc.max_cache_len)
-        if config.reuse_cache and "past_key_values" not in kwargs:
-            gc.cache_implementation = None
-            kwargs["past_key_values"] = pool.get(model, input_ids.shape[0])
+        if config.reuse_cache or kwargs.get("past_key_values") is not None:
+            gc.cache_implementation = None  # transformers refuses both a cache and an implementation
+    reuse = pool if compiled and config.reuse_cache else None
     with contextlib.ExitStack() as stack:
         stack.enter_context(sampling_mode(model, config.dropout_off_while_sampling))
         if compiled:
             stack.enter_context(hidden_require_grad_hooks(model))
         stack.enter_context(torch.no_grad())
         if compiled and config.decode_loop == "graph":
-            pool = _POOLS.setdefault(model, StaticCachePool())
-            inject = {"past_key_values": kwargs.pop("past_key_values")} if config.reuse_cache else {}
-            fallback = functools.partial(model.generate, **inject)
-            return _graph_generate(model, pool=pool, config=config, stats=GRAPH_STATS, fallback=fallback,
-                                   input_ids=input_ids, attention_mask=attention_mask, generation_config=gc,
+            return _graph_generate(model, pool=pool, config=config, stats=GRAPH_STATS,
+                                   fallback=functools.partial(_pooled_generate, model, reuse), input_ids=input_ids,
+                                   attention_mask=attention_mask, generation_config=gc,
                                    logits_processor=logits_processor, **kwargs)
-        return model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=gc,
-                              logits_processor=logits_processor, **kwargs)
+        return _pooled_generate(model, reuse, input_ids=input_ids, attention_mask=attention_mask,
+                                generation_config=gc, logits_processor=logits_processor, **kwargs)
 
 
 def left_pad(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, multiple: int, *,
