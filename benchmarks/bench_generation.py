@@ -16,18 +16,22 @@ with a random (nonzero) B, batch 8, 256 new tokens (every row runs to the end: m
   (:func:`enable_fast_generation`, what ``apply(fast_generation=True)`` installs) for each loop of
   ``--decode-loop`` (``transformers``, ``graph`` or ``transformers,graph``): the first step
   (compilation) separately, then the mean of ``--steps`` timed steps and their generation share.
+* ``--dropout``: sampling with the LoRA dropout on (TRL's training mode) vs off (the kit's default),
+  eager and graph loop, and what the dropout does to the sampled distribution (:func:`bench_dropout`).
 
 Prints a markdown table and writes JSON to ``--out``.
 
     python benchmarks/bench_generation.py --policy 0.5b,1.5b --out benchmarks/results/generation.json
     python benchmarks/bench_generation.py --trl-step --policy 1.5b --out benchmarks/results/generation_trl.json
     python benchmarks/bench_generation.py --trl-step --decode-loop transformers,graph --policy 1.5b
+    python benchmarks/bench_generation.py --dropout --policy 1.5b --repeats 2 --out benchmarks/results/dropout.json
     python benchmarks/bench_generation.py --policy tiny --force-compile --backend aot_eager   # CPU smoke test
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import json
@@ -85,11 +89,11 @@ def build_policy(name: str, dtype: torch.dtype, device: torch.device, seed: int 
     return model, lora_config()  # the kit's pinned LoRA: r16, alpha 32, dropout 0.05, all seven projections
 
 
-def randomize_lora_b(model, seed: int = 1):
+def randomize_lora_b(model, seed: int = 1, std: float = 0.02):
     torch.manual_seed(seed)
     for name, p in model.named_parameters():
         if "lora_B" in name:
-            torch.nn.init.normal_(p, std=0.02)
+            torch.nn.init.normal_(p, std=std)
 
 
 def floor_ms(model, batch: int, cache_len: int) -> tuple[float, float]:
@@ -131,6 +135,27 @@ def timed(fn, device):
     out = fn()
     sync(device)
     return time.perf_counter() - start, out
+
+
+def time_eager(model, label: str, training: bool, base_config, one_token, lengths, batch, vocab, new,
+               device) -> dict:
+    """``model.generate`` as TRL calls it, in training mode (dropout on, as TRL samples) or eval mode;
+    ms per decode step over the calls after the first (which warms up kernels and the allocator)."""
+    model.train(training)
+    timings = []
+    for i, length in enumerate(lengths):
+        ids, mask = prompts(batch, length, vocab, device, seed=i)
+        with torch.no_grad():
+            t_pre, _ = timed(lambda i=ids, m=mask: model.generate(input_ids=i, attention_mask=m,
+                                                                  generation_config=one_token), device)
+            t, out = timed(lambda i=ids, m=mask: model.generate(input_ids=i, attention_mask=m,
+                                                                generation_config=base_config), device)
+        assert out.shape[1] == length + new, out.shape
+        if i > 0 or len(lengths) == 1:
+            timings.append((t, t_pre))
+    model.train()
+    return {f"{label}_s_per_call": statistics.mean(t for t, _ in timings),
+            f"{label}_ms_per_decode_step": statistics.mean((t - p) / max(new - 1, 1) * 1e3 for t, p in timings)}
 
 
 def time_fast(model, label: str, config, base_config, one_token, lengths, batch, vocab, new, device) -> dict:
@@ -175,20 +200,7 @@ def bench_generate(name: str, args, device, dtype) -> dict:
                  "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad)}
 
     # stock TRL: eager, dynamic cache, policy in training mode (LoRA dropout on) as TRL samples
-    model.train()
-    eager = []
-    for i, length in enumerate(lengths):
-        ids, mask = prompts(batch, length, vocab, device, seed=i)
-        with torch.no_grad():
-            t_pre, _ = timed(lambda i=ids, m=mask: model.generate(input_ids=i, attention_mask=m,
-                                                                  generation_config=one_token), device)
-            t, out = timed(lambda i=ids, m=mask: model.generate(input_ids=i, attention_mask=m,
-                                                                generation_config=base_config), device)
-        assert out.shape[1] == length + new, out.shape
-        if i > 0 or len(lengths) == 1:  # the first call warms up kernels / allocator
-            eager.append((t, t_pre))
-    res["eager_s_per_call"] = statistics.mean(t for t, _ in eager)
-    res["eager_ms_per_decode_step"] = statistics.mean((t - p) / max(new - 1, 1) * 1e3 for t, p in eager)
+    res.update(time_eager(model, "eager", True, base_config, one_token, lengths, batch, vocab, new, device))
 
     # fast paths: transformers' decode loop (compiled forward), then the graph loop, in the same run
     fast_config = FastGenerationConfig(force_compile=args.force_compile, backend=args.backend, mode=args.mode,
@@ -219,6 +231,86 @@ def bench_generate(name: str, args, device, dtype) -> dict:
     cache_len = -(-max(lengths) // args.bucket) * args.bucket + new
     res["hbm_floor_ms_params"], res["hbm_kv_ms_full_cache"] = floor_ms(model, batch, cache_len)
     model = None
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    torch._dynamo.reset()
+    return res
+
+
+# --dropout -----------------------------------------------------------------------------------------
+
+
+def completion_logprobs(model, seqs, mask, prompt_len: int, *, training: bool, adapter: bool = True):
+    """fp32 log-softmax over the completion positions, in training (dropout) or eval mode."""
+    model.train(training)
+    full = torch.cat([mask, torch.ones_like(seqs[:, prompt_len:])], dim=1)
+    with torch.no_grad(), (contextlib.nullcontext() if adapter else model.disable_adapter()):
+        logits = model(input_ids=seqs, attention_mask=full).logits[:, prompt_len - 1:-1]
+    model.train()
+    return logits.float().log_softmax(-1)
+
+
+def bench_dropout(name: str, args, device, dtype) -> dict:
+    """Sampling with the LoRA dropout on (TRL's training mode) vs off (the kit's eval mode), same weights.
+
+    Speed: eager ``generate`` and the kit's graph loop, each in both modes. Samples: on sequences the
+    kit sampled, the per-token KL between a dropout-on distribution and the eval-mode policy, next to
+    the KL the whole adapter makes (eval with vs without it): the share of the adapter's effect that
+    dropout adds as noise. And the noise two dropout masks put into a log-prob ratio (what TRL's
+    ``old_per_token_logps``, recomputed in training mode, compare against): its std and the share of
+    tokens whose ratio leaves ``[1 - 0.2, 1 + 0.2]`` (GRPOConfig's epsilon) before any update.
+    """
+    from peft import get_peft_model
+
+    model, lora = build_policy(name, dtype, device)
+    model = get_peft_model(model, lora)
+    randomize_lora_b(model, std=args.lora_b_std)
+    vocab, new, batch = model.config.vocab_size, args.new_tokens, args.batch
+    full, one = trl_generation_config(new, graph=True), trl_generation_config(1, graph=True)  # no EOS: full rows
+    L = args.prompt_length
+    lengths = [L - d for d in (0, L // 8, L // 4, L // 16)][: args.repeats + 1]
+    res: dict = {"policy": name, "mode": "dropout", "batch": batch, "new_tokens": new, "prompt_lengths": lengths,
+                 "lora_dropout": lora.lora_dropout, "lora_b_std": args.lora_b_std}
+    for on in (True, False):
+        res.update(time_eager(model, f"eager_dropout_{'on' if on else 'off'}", on, full, one, lengths, batch, vocab,
+                              new, device))
+    for on in (False, True):
+        label = f"graph_dropout_{'on' if on else 'off'}"
+        config = FastGenerationConfig(force_compile=args.force_compile, backend=args.backend, mode=args.mode,
+                                      bucket=args.bucket, decode_loop="graph", dropout_off_while_sampling=not on)
+        model.train()  # dropout_off_while_sampling=False samples in the mode the model is in: training
+        try:
+            res.update(time_fast(model, label, config, full, one, lengths, batch, vocab, new, device))
+        except Exception as exc:  # noqa: BLE001 - report, keep the other paths' numbers
+            res[f"{label}_error"] = f"{type(exc).__name__}: {exc}"
+            print(f"[{name}] {label} failed: {res[f'{label}_error']}", file=sys.stderr, flush=True)
+    for path in ("eager", "graph"):
+        off, on = res.get(f"{path}_dropout_off_ms_per_decode_step"), res.get(f"{path}_dropout_on_ms_per_decode_step")
+        if off and on:
+            res[f"{path}_dropout_on_vs_off"] = on / off
+
+    ids, mask = prompts(batch, L, vocab, device, seed=99)
+    seqs = fast_generate(model, ids, mask, generation_config=full,
+                         config=FastGenerationConfig(force_compile=args.force_compile, backend=args.backend,
+                                                     mode=args.mode, bucket=args.bucket, decode_loop="graph"))
+    tokens = seqs[:, L:].unsqueeze(-1)
+    evl = completion_logprobs(model, seqs, mask, L, training=False)
+    base = completion_logprobs(model, seqs, mask, L, training=False, adapter=False)
+    kl_adapter = (evl.exp() * (evl - base)).sum(-1).mean().item()
+    del base
+    m1 = completion_logprobs(model, seqs, mask, L, training=True)
+    kl_dropout = (m1.exp() * (m1 - evl)).sum(-1).mean().item()
+    lp1, lp_eval = m1.gather(-1, tokens).squeeze(-1), evl.gather(-1, tokens).squeeze(-1)
+    del m1, evl
+    lp2 = completion_logprobs(model, seqs, mask, L, training=True).gather(-1, tokens).squeeze(-1)
+    ratio = (lp1 - lp2).exp()
+    res.update(kl_dropout_vs_eval=kl_dropout, kl_adapter_vs_base=kl_adapter,
+               dropout_kl_share_of_adapter=kl_dropout / kl_adapter if kl_adapter > 0 else math.nan,
+               logp_dropout_minus_eval_abs_mean=(lp1 - lp_eval).abs().mean().item(),
+               logp_two_masks_std=(lp1 - lp2).std().item(),
+               ratio_two_masks_outside_clip=((ratio < 0.8) | (ratio > 1.2)).double().mean().item())
+    model = seqs = None
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -331,6 +423,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--policy", default="0.5b,1.5b", help="comma list of: " + ", ".join(POLICIES))
     ap.add_argument("--trl-step", action="store_true", help="time GRPOTrainer steps, stock vs fast")
+    ap.add_argument("--dropout", action="store_true",
+                    help="sampling with the LoRA dropout on vs off: speed (eager, graph loop) and the samples")
+    ap.add_argument("--lora-b-std", type=float, default=0.02, help="--dropout: std of the random LoRA B")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=None, help="default 256 (16 for tiny)")
     ap.add_argument("--prompt-length", type=int, default=128)
@@ -387,6 +482,19 @@ def main(argv=None) -> int:
                            ("first generation s", "first_generation_s"), ("step s", "step_s"),
                            ("generation s", "generation_s"), ("generation share", "generation_share"),
                            ("timed steps", "steps_timed"), ("error", "error")]))
+    elif args.dropout:
+        for name in names:
+            rows.append(bench_dropout(name, args, device, dtype))
+            print(json.dumps(rows[-1], default=str), flush=True)
+        print(table(rows, [("policy", "policy"), ("eager ms/step dropout off", "eager_dropout_off_ms_per_decode_step"),
+                           ("eager on", "eager_dropout_on_ms_per_decode_step"), ("on/off", "eager_dropout_on_vs_off"),
+                           ("graph ms/step off", "graph_dropout_off_ms_per_decode_step"),
+                           ("graph on", "graph_dropout_on_ms_per_decode_step"), ("on/off", "graph_dropout_on_vs_off"),
+                           ("graph on error", "graph_dropout_on_error"),
+                           ("KL dropout vs eval", "kl_dropout_vs_eval"), ("KL adapter vs base", "kl_adapter_vs_base"),
+                           ("dropout share of adapter KL", "dropout_kl_share_of_adapter"),
+                           ("logp std, two masks", "logp_two_masks_std"),
+                           ("ratio outside clip, two masks", "ratio_two_masks_outside_clip")]))
     else:
         for name in names:
             rows.append(bench_generate(name, args, device, dtype))

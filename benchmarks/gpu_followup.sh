@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
-# What the 2026-11-29 GPU session left unmeasured (issues 5 and 6), for nvidia-h200-x2, two calls < 10 min:
+# What the 2026-11-29 GPU sessions left unmeasured (issues 5 and 6), for nvidia-h200-x2, calls < 10 min:
 #
 #   bash benchmarks/gpu_followup.sh 1   # GPU0: the patch's own overhead, paired rounds, stock-graph vs patched-graph
 #                                       #       (both sample through the kit's fast path, so generation noise cancels)
-#                                       # GPU1: GPU tests of the graph loop (fresh noise per replay) + the 24 GB
-#                                       #       bracket of the graph loop (160 / 176; 144 fits, 192 does not)
-#   bash benchmarks/gpu_followup.sh 2   # 2 GPUs: stock vs patched-graph, 0.5B and 1.5B (step <= 0.2x on 2 GPUs)
+#                                       # GPU1: GPU tests of the fast path (fresh noise per replay included), the
+#                                       #       24 GB bracket of the graph loop (160 / 176; 144 fits, 192 does not)
+#                                       #       and sampling with the LoRA dropout on vs off (bench_generation --dropout)
+#   bash benchmarks/gpu_followup.sh 2   # 2 GPUs: stock vs patched-graph, 0.5B then 1.5B (step <= 0.2x on 2 GPUs)
+#   bash benchmarks/gpu_followup.sh 3   # 1 GPU each, checkpointing on: stock vs patched-graph, 0.5B (GPU0), 1.5B (GPU1)
 #
 # Results: benchmarks/results/<date>-h200-followup/<job>/ and $OUT/partN.tar.gz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?part 1 or 2}
+part=${1:?part 1, 2 or 3}
 R=${R:-benchmarks/results/$(date +%F)-h200-followup}
 mkdir -p "$R"
 TAG=followup
@@ -20,9 +22,11 @@ case $part in
   job overhead 540 "CUDA_VISIBLE_DEVICES=0 GPUS=1 POLICY=0.5b VARIANTS=stock-graph,patched-graph STEPS=4 ROUNDS=4 \
     BUDGET_S=530 BENCH_OUT=$R/1gpu-0.5b-overhead bash benchmarks/run_bench.sh"
   job graph 540 "CUDA_VISIBLE_DEVICES=1 python3 -m pytest -v -k 'gpu or cuda' tests/test_generation.py; \
-    for b in 160 176; do CUDA_VISIBLE_DEVICES=1 python3 benchmarks/bench_grpo.py --find-max-batch --nproc 1 \
-      --mem-cap-gb 24 --policy 1.5b --grad-ckpt on --variants patched-graph --start-batch \$b --max-batch-limit \$b \
-      --probe-timeout 150 --out $R/24gb-1.5b-graph-\$b; done"
+    probe() { CUDA_VISIBLE_DEVICES=1 python3 benchmarks/bench_grpo.py --find-max-batch --nproc 1 --mem-cap-gb 24 \
+      --policy 1.5b --grad-ckpt on --variants patched-graph --start-batch \$1 --max-batch-limit \$1 \
+      --probe-timeout 150 --out $R/24gb-1.5b-graph-\$1; }; probe 160; \
+    CUDA_VISIBLE_DEVICES=1 python3 benchmarks/bench_generation.py --dropout --policy 1.5b --repeats 2 \
+      --out $R/dropout-1.5b.json; probe 176"
   ;;
 2)
   job 2gpu-0.5b 280 "GPUS=2 POLICY=0.5b VARIANTS=stock,patched-graph STEPS=3 BUDGET_S=270 \
@@ -31,7 +35,13 @@ case $part in
   job 2gpu-1.5b 280 "GPUS=2 POLICY=1.5b VARIANTS=stock,patched-graph STEPS=3 BUDGET_S=270 \
     BENCH_OUT=$R/2gpu-1.5b bash benchmarks/run_bench.sh"
   ;;
-*) echo "part must be 1 or 2" >&2; exit 2 ;;
+3)
+  job 1gpu-0.5b 290 "CUDA_VISIBLE_DEVICES=0 GPUS=1 POLICY=0.5b VARIANTS=stock,patched-graph STEPS=3 BUDGET_S=280 \
+    PORT=29531 BENCH_OUT=$R/1gpu-0.5b bash benchmarks/run_bench.sh"
+  job 1gpu-1.5b 290 "CUDA_VISIBLE_DEVICES=1 GPUS=1 POLICY=1.5b VARIANTS=stock,patched-graph STEPS=3 BUDGET_S=280 \
+    PORT=29532 BENCH_OUT=$R/1gpu-1.5b bash benchmarks/run_bench.sh"
+  ;;
+*) echo "part must be 1, 2 or 3" >&2; exit 2 ;;
 esac
 wait
 log "part $part done"
