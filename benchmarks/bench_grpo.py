@@ -648,13 +648,16 @@ def find_max_batch(args) -> int:
 
 
 def probe_throughput(probe_out: Path, variant: str, batch: int) -> float | None:
-    """Completion tokens per second of the probe's last step (rank 0), summed over its ranks: the first
-    step of a fresh launch pays warm-up (and, with fast generation, compilation)."""
+    """Completion tokens per second over the probe's steps after the first (rank 0's tokens / time,
+    times its ranks): the first step of a fresh launch pays warm-up (and, with fast generation,
+    compilation). With ``--probe-steps 2`` that is the last step alone."""
     recs = [r for r in load_jsonl(probe_out / "results.jsonl") if r.get("tag") == f"probe {variant} b{batch}"]
     if not recs or not recs[-1]["timed_steps"]:
         return None
-    last = recs[-1]["timed_steps"][-1]
-    return last["tokens_per_s"] * recs[-1]["world_size"]
+    steps = recs[-1]["timed_steps"]
+    steps = steps[1:] if len(steps) > 1 else steps
+    seconds = sum(s["step_s"] for s in steps)
+    return sum(s["completion_tokens"] for s in steps) / seconds * recs[-1]["world_size"] if seconds else None
 
 
 # -------------------------------------------------------------------------------------- reports

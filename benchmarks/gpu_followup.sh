@@ -7,7 +7,9 @@
 #                                       #       24 GB bracket of the graph loop (160 / 176; 144 fits, 192 does not)
 #                                       #       and sampling with the LoRA dropout on vs off (bench_generation --dropout)
 #   bash benchmarks/gpu_followup.sh 2   # 2 GPUs: stock vs patched-graph, 0.5B then 1.5B (step <= 0.2x on 2 GPUs)
-#   bash benchmarks/gpu_followup.sh 3   # 1 GPU each, checkpointing on: stock vs patched-graph, 0.5B (GPU0), 1.5B (GPU1)
+#   bash benchmarks/gpu_followup.sh 3   # GPU0: 1 GPU, 0.5B, stock vs patched-graph; then the kit's 24 GB probe at 144
+#                                       # GPU1: stock's 24 GB probe at 192 (both over 3 steps after the first); then
+#                                       #       the dropout comparison again, the graph loop's modes alternating
 #
 # Results: benchmarks/results/<date>-h200-followup/<job>/ and $OUT/partN.tar.gz.
 set -uo pipefail
@@ -36,10 +38,15 @@ case $part in
     BENCH_OUT=$R/2gpu-1.5b bash benchmarks/run_bench.sh"
   ;;
 3)
-  job 1gpu-0.5b 290 "CUDA_VISIBLE_DEVICES=0 GPUS=1 POLICY=0.5b VARIANTS=stock,patched-graph STEPS=3 BUDGET_S=280 \
-    PORT=29531 BENCH_OUT=$R/1gpu-0.5b bash benchmarks/run_bench.sh"
-  job 1gpu-1.5b 290 "CUDA_VISIBLE_DEVICES=1 GPUS=1 POLICY=1.5b VARIANTS=stock,patched-graph STEPS=3 BUDGET_S=280 \
-    PORT=29532 BENCH_OUT=$R/1gpu-1.5b bash benchmarks/run_bench.sh"
+  probe() {  # probe GPU VARIANT BATCH: one 24 GB probe of 1 + 3 steps (throughput: the 3 after the first)
+    echo "CUDA_VISIBLE_DEVICES=$1 python3 benchmarks/bench_grpo.py --find-max-batch --nproc 1 --mem-cap-gb 24 \
+      --policy 1.5b --grad-ckpt on --variants $2 --start-batch $3 --max-batch-limit $3 --probe-steps 4 \
+      --probe-timeout 200 --out $R/24gb-1.5b-$2-$3-4steps"
+  }
+  job gpu0 540 "CUDA_VISIBLE_DEVICES=0 GPUS=1 POLICY=0.5b VARIANTS=stock,patched-graph STEPS=3 BUDGET_S=280 \
+    BENCH_OUT=$R/1gpu-0.5b bash benchmarks/run_bench.sh; $(probe 0 patched-graph 144)"
+  job gpu1 540 "$(probe 1 stock 192); CUDA_VISIBLE_DEVICES=1 python3 benchmarks/bench_generation.py --dropout \
+    --policy 1.5b --repeats 4 --out $R/dropout-1.5b-alternating.json"
   ;;
 *) echo "part must be 1, 2 or 3" >&2; exit 2 ;;
 esac
