@@ -568,9 +568,14 @@ def versions() -> dict[str, str]:
 
 
 def git_commit() -> str | None:
+    """HEAD, with ``+dirty`` when the tree differs from it (a copied tree, e.g. the device machine's,
+    can carry an older HEAD than the code it runs)."""
     try:
-        return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, timeout=10).stdout.strip() or None
+        head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return (head + ("+dirty" if dirty else "")) or None
     except Exception:
         return None
 
