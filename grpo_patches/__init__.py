@@ -67,7 +67,7 @@ def __getattr__(name: str):
 __version__ = "0.1.0"
 
 _lock = threading.Lock()
-_applied: AppliedPatch | None = None
+_applied: list[AppliedPatch] = []  # TRL's GRPOTrainer, then the vendored DeepSeekMath-style trainer
 
 
 def apply(
@@ -79,6 +79,9 @@ def apply(
     fast_generation: bool | dict | Any = False,
 ) -> bool:
     """Patch ``trl.GRPOTrainer`` in place; returns whether a patch is active afterwards.
+
+    The vendored trainer (:mod:`grpo_patches.vendored.dsm_grpo`) is patched with it: fast
+    generation is the option that applies to that single-process trainer.
 
     Args:
         reward_placement: ``"local"`` (each rank scores its own whole groups) or ``"main"``
@@ -95,13 +98,12 @@ def apply(
     Calling ``apply()`` again never wraps twice; it replaces the options for trainers built
     afterwards. Trainers built before the first ``apply()`` stay unpatched.
     """
-    global _applied
     from .generation import FastGenerationConfig
 
     opts = _options.PatchOptions(reward_placement, reward_chunk_size, reward_timeout, strict,
                                  FastGenerationConfig.coerce(fast_generation))
     with _lock:
-        if _applied is not None:
+        if _applied:
             _options.set_active(opts)
             return True
         version = installed_trl_version()
@@ -115,21 +117,26 @@ def apply(
                 raise
             warnings.warn(f"{exc} Nothing was patched (strict=False).", stacklevel=2)
             return False
-        _applied = patch(adapter)
+        from .targets.dsm import ADAPTER as DSM
+
+        _applied.append(patch(adapter))
+        try:
+            _applied.append(patch(DSM))
+        except Exception:
+            unpatch(_applied.pop())
+            raise
         _options.set_active(opts)
         return True
 
 
 def revert() -> None:
     """Restore every patched attribute to the identical original object. A no-op if not applied."""
-    global _applied
     with _lock:
-        if _applied is not None:
-            unpatch(_applied)
-            _applied = None
+        while _applied:
+            unpatch(_applied.pop())
         _options.set_active(None)
 
 
 def is_applied() -> bool:
     """Whether :func:`apply` patched the installed TRL and :func:`revert` has not undone it."""
-    return _applied is not None
+    return bool(_applied)

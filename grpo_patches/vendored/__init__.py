@@ -1,0 +1,1 @@
+"""Trainers vendored into the kit: compact reference implementations the patches also apply to."""

@@ -1,0 +1,151 @@
+"""The vendored DeepSeekMath-style trainer: its objective, a real step, and fast generation through apply()."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import grpo_patches
+from grpo_patches import generation
+from grpo_patches.generation import FAST_GEN_ATTR
+from grpo_patches.vendored.dsm_grpo import DSMGRPOConfig, DSMGRPOTrainer, group_advantages, grpo_loss
+from tests.helpers import quiet, target_share, tiny_policy, tiny_tokenizer
+from tests.test_generation import ALL_PROJ, Counting
+
+PROMPTS = ["say the letter a", "say a", "please say a now", "the letter a please"]
+
+
+@pytest.fixture(autouse=True)
+def _clean():
+    quiet()
+    grpo_patches.revert()
+    torch._dynamo.reset()
+    generation._warned.clear()
+    yield
+    grpo_patches.revert()
+    torch._dynamo.reset()
+
+
+def make_trainer(seed=0, **config):
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(tiny_policy(seed), LoraConfig(r=4, lora_alpha=8, lora_dropout=0.05,
+                                                         target_modules=ALL_PROJ, task_type="CAUSAL_LM"))
+    fields = dict(num_generations=4, max_new_tokens=8, learning_rate=1e-3)
+    fields.update(config)
+    return DSMGRPOTrainer(model, tiny_tokenizer(), target_share, DSMGRPOConfig(**fields))
+
+
+def test_group_advantages_normalize_within_each_group_only():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 5.0, 7.0, 9.0, 11.0])
+    adv = group_advantages(rewards, 4, eps=0.0)
+    expected = torch.cat([(g - g.mean()) / g.std() for g in rewards.view(2, 4)])
+    assert torch.allclose(adv, expected)
+    shifted = rewards.clone()
+    shifted[4:] += 100.0  # another group's scale does not leak into the first
+    assert torch.allclose(group_advantages(shifted, 4, eps=0.0), adv)
+    assert not torch.allclose(group_advantages(rewards, 8, eps=0.0), adv)  # a wrong group size would
+
+
+def test_objective_ratio_one_is_the_mean_advantage_and_k3_kl_is_exact():
+    logp = torch.log(torch.tensor([[0.5, 0.25, 0.9], [0.2, 0.4, 0.1]]))
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    adv = torch.tensor([1.5, -0.5])
+    loss, stats = grpo_loss(logp, logp, logp, adv, mask, beta=0.04, epsilon=0.2)
+    assert loss.item() == pytest.approx(-(1.5 - 0.5) / 2) and stats["kl"] == 0.0
+    ref = logp + 0.3
+    loss_kl, stats = grpo_loss(logp, logp, ref, adv, mask, beta=0.04, epsilon=0.2)
+    k3 = torch.exp(torch.tensor(0.3)) - 0.3 - 1  # exp(ref - logp) - (ref - logp) - 1, per token
+    assert stats["kl"] == pytest.approx(k3.item(), rel=1e-5)
+    assert loss_kl.item() == pytest.approx(loss.item() + 0.04 * k3.item(), rel=1e-5)
+
+
+def test_objective_clips_the_ratio():
+    old = torch.zeros(1, 2)
+    adv = torch.tensor([1.0])
+    mask = torch.ones(1, 2)
+    inside = torch.full((1, 2), 0.1, requires_grad=True)  # ratio 1.105: inside [0.8, 1.2]
+    outside = torch.full((1, 2), 0.3, requires_grad=True)  # ratio 1.35 with A > 0: clipped, no gradient
+    grpo_loss(inside, old, None, adv, mask, beta=0.0, epsilon=0.2)[0].backward()
+    loss, stats = grpo_loss(outside, old, None, adv, mask, beta=0.0, epsilon=0.2)
+    loss.backward()
+    assert inside.grad.abs().sum() > 0 and outside.grad.abs().sum() == 0
+    assert loss.item() == pytest.approx(-1.2) and stats["clip_ratio"] == 1.0
+
+
+def test_a_step_moves_probability_toward_the_better_completions():
+    trainer = make_trainer(beta=0.04)
+    seen = []
+    original = trainer.sample
+    trainer.sample = lambda ids, mask: (out := original(ids, mask), seen.append((out, ids.shape[1], mask)))[0]
+    base_before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_" not in n}
+    torch.manual_seed(3)
+    metrics = trainer.step(PROMPTS)
+    assert trainer.model.training, "the trainer samples and trains in training mode"
+    assert metrics["kl"] == 0.0, "at init LoRA B = 0: the policy equals the reference (the adapter disabled)"
+    assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
+    sequences, prompt_len, prompt_mask = seen[0]
+    completions = sequences[:, prompt_len:]
+    comp_mask = trainer.completion_mask(completions)
+    texts = trainer.tokenizer.batch_decode(completions.masked_fill(comp_mask == 0, 0), skip_special_tokens=True)
+    adv = group_advantages(torch.tensor(target_share(texts)), 4)
+    assert adv.abs().sum() > 0, "the groups must differ in reward for the step to mean anything"
+    mask = torch.cat([prompt_mask, comp_mask], 1)
+    n = completions.shape[1]
+
+    def seq_logp():
+        trainer.model.eval()  # dropout off: compare the same function before and after
+        with torch.no_grad():
+            out = (trainer.token_logprobs(trainer.model, sequences, mask, n) * comp_mask).sum(1)
+        trainer.model.train()
+        return out
+
+    after = seq_logp()
+    # undo the step's effect on the adapter to read "before": B was 0, so the base policy is "before"
+    with trainer.model.disable_adapter():
+        before = seq_logp()
+    assert (adv * (after - before)).sum() > 0, "log-probs rise with the advantage"
+    for n_, p in trainer.model.named_parameters():
+        if "lora_" not in n_:
+            assert torch.equal(p, base_before[n_]), f"base weight {n_} changed"
+    assert trainer.step(PROMPTS)["kl"] > 0, "after an update the policy has left the reference"
+
+
+def test_apply_fast_generation_samples_through_the_compiled_graph_loop():
+    from transformers import GenerationConfig
+
+    counting = Counting()
+    unpatched = make_trainer()
+    assert not hasattr(unpatched, FAST_GEN_ATTR)
+    grpo_patches.apply(fast_generation=counting.config())
+    trainer = make_trainer()
+    state = getattr(trainer, FAST_GEN_ATTR)
+    assert state.config.decode_loop == "graph"
+    greedy = GenerationConfig(max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=1)
+    for t in (trainer, unpatched):
+        t.generation_config = greedy
+    enc = trainer.tokenizer(PROMPTS, return_tensors="pt", padding=True, padding_side="left")
+    calls = generation.GRAPH_STATS.calls
+    fast = trainer.sample(enc["input_ids"], enc["attention_mask"])
+    assert generation.GRAPH_STATS.calls == calls + 1 and counting.compiles == 1 and counting.runs > 0
+    assert trainer.model.training, "the model's mode is restored after sampling in eval mode"
+    unpatched.model.eval()  # same weights (same seed), dropout off: what fast generation samples from
+    eager = unpatched.sample(enc["input_ids"], enc["attention_mask"])
+    assert torch.equal(fast, eager)
+    # the whole step runs through it, and a trainer built before apply() stays unpatched
+    trainer.generation_config = GenerationConfig(max_new_tokens=8, do_sample=True, pad_token_id=0, eos_token_id=1)
+    trainer.step(PROMPTS)
+    assert state.calls == 2 and generation.GRAPH_STATS.calls == calls + 2
+    assert not hasattr(unpatched, FAST_GEN_ATTR)
+
+
+def test_revert_restores_the_vendored_trainer():
+    before = {name: DSMGRPOTrainer.__dict__[name] for name in ("__init__", "sample")}
+    grpo_patches.apply(fast_generation=True)
+    assert DSMGRPOTrainer.__dict__["sample"].__wrapped__ is before["sample"]
+    grpo_patches.revert()
+    assert all(DSMGRPOTrainer.__dict__[name] is fn for name, fn in before.items())
+    grpo_patches.apply()  # without fast_generation the wrapper passes through
+    trainer = make_trainer()
+    assert not hasattr(trainer, FAST_GEN_ATTR)
+    assert trainer.step(PROMPTS)["completion_length"] > 0
