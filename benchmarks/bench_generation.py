@@ -70,6 +70,14 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
+def release(device) -> None:
+    """Free what a finished benchmark left (its model, caches, compiled graphs) before the next."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    torch._dynamo.reset()
+
+
 def graphs() -> int:
     from torch._dynamo.utils import counters
 
@@ -232,10 +240,7 @@ def bench_generate(name: str, args, device, dtype) -> dict:
     cache_len = -(-max(lengths) // args.bucket) * args.bucket + new
     res["hbm_floor_ms_params"], res["hbm_kv_ms_full_cache"] = floor_ms(model, batch, cache_len)
     model = None
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    torch._dynamo.reset()
+    release(device)
     return res
 
 
@@ -333,10 +338,7 @@ def bench_dropout(name: str, args, device, dtype) -> dict:
                logp_two_masks_std=(lp1 - lp2).std().item(),
                ratio_two_masks_outside_clip=((ratio < 0.8) | (ratio > 1.2)).double().mean().item())
     model = seqs = None
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    torch._dynamo.reset()
+    release(device)
     return res
 
 
@@ -423,10 +425,7 @@ def run_trl(name: str, args, device, dtype, fast: bool, decode_loop: str = "tran
     if state is not None:
         res["fast_state"] = state.summary()
     trainer = model = None
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    torch._dynamo.reset()
+    release(device)
     return res
 
 
