@@ -670,6 +670,26 @@ def _pooled_generate(model: nn.Module, pool: StaticCachePool | None, **kwargs: A
     return type(model).generate(model, **kwargs)
 
 
+def _call_generate(model: nn.Module, pool: StaticCachePool | None, config: FastGenerationConfig,
+                   stats: GraphDecodeStats, *, graph: bool, **inject: Any) -> Callable:
+    """The ``generate`` one fast sampling call runs (``pool`` is None when decoding is not compiled):
+    the graph loop, falling back to transformers' loop, or transformers' loop alone; transformers'
+    loop decodes on the pooled cache when ``reuse_cache``."""
+    plain = functools.partial(_pooled_generate, model, pool if pool is not None and config.reuse_cache else None,
+                              **inject)
+    if graph:
+        return functools.partial(_graph_generate, model, pool=pool, config=config, stats=stats, fallback=plain)
+    return plain
+
+
+@contextlib.contextmanager
+def _sampling(model: nn.Module, config: FastGenerationConfig, compiled: bool) -> Iterator[None]:
+    """Dropout off (if configured) and, for compiled decoding, gradient checkpointing's hooks hidden."""
+    hooks = hidden_require_grad_hooks(model) if compiled else contextlib.nullcontext()
+    with sampling_mode(model, config.dropout_off_while_sampling), hooks:
+        yield
+
+
 def _graph_generate(model: nn.Module, *, pool: StaticCachePool, config: FastGenerationConfig,
                     stats: GraphDecodeStats, fallback: Callable, input_ids: torch.Tensor | None = None,
                     attention_mask: torch.Tensor | None = None, generation_config: Any = None,
@@ -738,11 +758,10 @@ def wrap_generate(wrapped, instance, args, kwargs):
     gen_config = build_generation_config(instance.generation_config, config, prompt_length=prompt_length,
                                          device=device, compiled=state.compiled)
     inject: dict[str, Any] = {}
-    pool = state.pool if state.compiled and config.reuse_cache else None  # its cache is fetched per call
     if state.compiled:
         state.cache_length = state.pool.grow(gen_config.max_cache_len)
         gen_config.max_cache_len = state.cache_length
-        if pool is not None:
+        if config.reuse_cache:  # the pooled cache is fetched per call, in _pooled_generate
             gen_config.cache_implementation = None  # transformers refuses both a cache and an implementation
     recorder = SampledLogprobs(gen_config.temperature) if config.record_sampling_logprobs else None
     if recorder is not None:
@@ -761,17 +780,11 @@ def wrap_generate(wrapped, instance, args, kwargs):
         stack.enter_context(_patched_attr(instance, "generation_config", gen_config))
         if multiple != trl_multiple:
             stack.enter_context(_patched_attr(instance, "pad_to_multiple_of", multiple))
-        if graph:  # TRL's call is `generate(**inputs, generation_config=...)`: ours for this call only
-            fallback = functools.partial(_pooled_generate, model, pool)
-            generate = functools.partial(_graph_generate, model, pool=state.pool, config=config, stats=state.graph,
-                                         fallback=fallback)
+        if state.compiled or inject:  # TRL's call is `generate(**inputs, generation_config=...)`: ours, this call
+            generate = _call_generate(model, state.pool if state.compiled else None, config, state.graph, graph=graph,
+                                      **inject)
             stack.enter_context(_patched_attr(model, "generate", generate))
-        elif inject or pool is not None:
-            generate = functools.partial(_pooled_generate, model, pool, **inject)
-            stack.enter_context(_patched_attr(model, "generate", generate))
-        stack.enter_context(sampling_mode(model, config.dropout_off_while_sampling))
-        if state.compiled:
-            stack.enter_context(hidden_require_grad_hooks(model))
+        stack.enter_context(_sampling(model, config, state.compiled))
         state._active = True
         stack.callback(setattr, state, "_active", False)
         before, start = _graphs(), time.perf_counter()
@@ -847,19 +860,10 @@ def fast_generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: tor
         gc.max_cache_len = pool.grow(gc.max_cache_len)
         if config.reuse_cache or kwargs.get("past_key_values") is not None:
             gc.cache_implementation = None  # transformers refuses both a cache and an implementation
-    reuse = pool if compiled and config.reuse_cache else None
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(sampling_mode(model, config.dropout_off_while_sampling))
-        if compiled:
-            stack.enter_context(hidden_require_grad_hooks(model))
-        stack.enter_context(torch.no_grad())
-        if compiled and config.decode_loop == "graph":
-            return _graph_generate(model, pool=pool, config=config, stats=GRAPH_STATS,
-                                   fallback=functools.partial(_pooled_generate, model, reuse), input_ids=input_ids,
-                                   attention_mask=attention_mask, generation_config=gc,
-                                   logits_processor=logits_processor, **kwargs)
-        return _pooled_generate(model, reuse, input_ids=input_ids, attention_mask=attention_mask,
-                                generation_config=gc, logits_processor=logits_processor, **kwargs)
+    generate = _call_generate(model, pool, config, GRAPH_STATS, graph=compiled and config.decode_loop == "graph")
+    with _sampling(model, config, compiled), torch.no_grad():
+        return generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=gc,
+                        logits_processor=logits_processor, **kwargs)
 
 
 def left_pad(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, multiple: int, *,
