@@ -27,14 +27,9 @@ def wrap_sample(wrapped, instance, args, kwargs):
     state: FastGenerationState | None = getattr(instance, FAST_GEN_ATTR, None)
     if state is None:
         return wrapped(*args, **kwargs)
-
-    def bind(input_ids, attention_mask):
-        return input_ids, attention_mask
-
-    input_ids, attention_mask = bind(*args, **kwargs)
-    state.calls += 1
-    return fast_generate(instance.model, input_ids, attention_mask, generation_config=instance.generation_config,
-                         config=state.config)
+    state.calls += 1  # sample(input_ids, attention_mask): fast_generate's own first parameters
+    return fast_generate(instance.model, *args, generation_config=instance.generation_config, config=state.config,
+                         **kwargs)
 
 
 ADAPTER = Adapter(
