@@ -49,19 +49,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench_grpo import POLICIES as GRPO_POLICIES  # noqa: E402
+
 from grpo_patches import generation  # noqa: E402
 from grpo_patches.generation import FastGenerationConfig, enable_fast_generation, fast_generate  # noqa: E402
 
 H200_BYTES_PER_S = 4.8e12
-POLICIES = {
-    # Qwen2.5-0.5B / 1.5B shapes (tied embeddings, GQA with 2 KV heads, vocab 151936)
-    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
-    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=512, tie_word_embeddings=True),
-}
+# bench_grpo's Qwen2.5-like shapes; the CPU smoke model ties its embeddings, as the real ones do
+POLICIES = {**GRPO_POLICIES, "tiny": {**GRPO_POLICIES["tiny"], "tie_word_embeddings": True}}
 PAD, EOS, BOS = 0, 1, 2
 
 
