@@ -1,4 +1,4 @@
-"""Fail-fast object collectives with a timeout, and a watchdog for user code. No TRL import.
+"""Fail-fast object collectives with a timeout. No TRL import.
 
 Why not the default process group: under NCCL a stuck peer blocks a collective for the group's
 timeout (30 minutes by default) and a peer that raised leaves the others with "Connection closed
@@ -11,13 +11,13 @@ message.
 from __future__ import annotations
 
 import datetime
-import queue
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch.distributed as dist
+
+from .watchdog import call_with_timeout
 
 T = TypeVar("T")
 
@@ -56,64 +56,6 @@ class CollectiveTimeoutError(RuntimeError):
     """A peer did not reach a collective within the kit's timeout (it is stuck or has died)."""
 
 
-class _Worker:
-    """One daemon thread that runs submitted calls in order.
-
-    Not ``concurrent.futures``: its threads are joined at interpreter exit, so a stuck reward
-    function would hang the very exit that fail-fast is meant to reach.
-
-    The thread outlives every job, so it must not keep a finished job's objects: its loop variables
-    are dropped before it waits for the next job. Otherwise the last job's callable (a closure over
-    the trainer) and its result or exception (whose traceback holds the trainer's frames) would stay
-    referenced from this thread's frame, which the garbage collector treats as a root: the trainer
-    of the last reward computation, its model and optimizer would never be freed.
-    """
-
-    def __init__(self) -> None:
-        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._run, name="grpo_patches-worker", daemon=True).start()
-
-    def _run(self) -> None:
-        while True:
-            fn, box, done = self.jobs.get()
-            try:
-                box["value"] = fn()
-            except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
-                box["error"] = exc
-            done.set()
-            del fn, box, done  # the caller holds the box; keep nothing of this job while idle
-
-
-_worker: _Worker | None = None
-
-
-def call_with_timeout(fn: Callable[[], T], timeout: float, *, what: str,
-                      running: Callable[[], str] | None = None) -> T:
-    """Run ``fn`` on the kit's worker thread and wait at most ``timeout`` seconds.
-
-    One long-lived worker thread, not a thread per call: CUDA keeps per-thread state (current
-    device, library handles) that a fresh thread would set up again every step. A stuck call
-    cannot be killed from Python; its thread is abandoned (daemon, so it does not keep the process
-    alive), the next call gets a new worker, and a ``TimeoutError`` naming ``what`` is raised, which
-    the callers turn into a :class:`Failure` that every rank sees. ``running`` names what was in
-    progress.
-    """
-    global _worker
-    if _worker is None:
-        _worker = _Worker()
-    box: dict[str, Any] = {}
-    done = threading.Event()
-    _worker.jobs.put((fn, box, done))
-    if not done.wait(timeout):
-        _worker = None
-        now = running() if running is not None else ""
-        raise TimeoutError(f"{what} did not finish within reward_timeout={timeout:g} s"
-                           + (f" (still running: {now})" if now else ""))
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
-
-
 def failure_from(exc: BaseException, *, rank: int, where: str) -> Failure:
     where = getattr(exc, "grpo_patches_where", where)
     return Failure(
@@ -131,22 +73,33 @@ class FailFastGroup:
     torch.distributed not initialized) every method works locally, so the same code serves both.
     """
 
-    _cache: dict[float, Any] = {}
+    # timeout -> (the default process group it was made in, the side group)
+    _cache: dict[float, tuple[Any, Any]] = {}
 
     def __init__(self, timeout: float):
         self.timeout = float(timeout)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             self.rank = dist.get_rank()
             self.world_size = dist.get_world_size()
-            # Creating a group is itself collective; cache by timeout so that building several
-            # trainers in one job (all ranks alike) does not leak groups.
-            if self.timeout not in self._cache:
-                self._cache[self.timeout] = dist.new_group(
-                    backend="gloo", timeout=datetime.timedelta(seconds=self.timeout)
-                )
-            self.group = self._cache[self.timeout]
+            self.group = self._side_group(self.timeout)
         else:
             self.rank, self.world_size, self.group = 0, 1, None
+
+    @classmethod
+    def _side_group(cls, timeout: float) -> Any:
+        """One gloo group per timeout and default group.
+
+        Creating a group is itself collective; caching it means building several trainers in one
+        job (all ranks alike) does not leak groups. The cache entry is only good for the default
+        group it was made in: after ``destroy_process_group()`` and a new ``init_process_group()``
+        every old group is gone, and reusing one fails with a bare "not registered" error.
+        """
+        world = dist.group.WORLD
+        made_in, group = cls._cache.get(timeout, (None, None))
+        if made_in is not world:
+            group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
+            cls._cache[timeout] = (world, group)
+        return group
 
     @property
     def is_main(self) -> bool:

@@ -76,11 +76,16 @@ def check_group_shape(
     if mode != "train":
         fixes = [f.replace("per_device_train_batch_size", batch_name).replace("num_generations", gen_name) for f in fixes
                  if not f.startswith("steps_per_generation")]
+    if world_size > 1:
+        consequence = (f"with world_size={world_size} some groups would be split across ranks (stock TRL "
+                       f"accepts this and splits them silently)")
+    else:  # one process: nothing is split across ranks, but a group is cut across two batches
+        consequence = (f"some groups would be cut across two {mode} batches (stock TRL then fails reshaping "
+                       f"the rewards into groups, or normalizes partial groups)")
     raise GroupShapeError(
         f"grpo_patches: each rank generates {batch_name}={per_device_batch_size} x "
         f"steps_per_generation={steps_per_generation} = {per_rank} completions per round ({mode}), "
-        f"which is not a multiple of {gen_name}={num_generations}; with world_size={world_size} some "
-        f"groups would be split across ranks (stock TRL accepts this and splits them silently). "
+        f"which is not a multiple of {gen_name}={num_generations}; {consequence}. "
         f"Nearest valid settings: {'; '.join(fixes)}."
     )
 

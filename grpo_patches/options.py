@@ -8,7 +8,9 @@ from dataclasses import dataclass
 from .generation import FastGenerationConfig
 from .rewards import PLACEMENTS
 
-__all__ = ["PatchOptions"]
+__all__ = ["MAX_REWARD_TIMEOUT", "PatchOptions"]
+
+MAX_REWARD_TIMEOUT = 86400.0  # one day: longer is a hang by any measure (and overflows timers past ~1e9 s)
 
 
 @dataclass(frozen=True)
@@ -32,10 +34,17 @@ class PatchOptions:
                 f"multiple of num_generations."
             )
         timeout = self.reward_timeout
-        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not math.isfinite(timeout) or timeout <= 0:
+        if (isinstance(timeout, bool) or not isinstance(timeout, int | float) or not math.isfinite(timeout)
+                or not 0 < timeout <= MAX_REWARD_TIMEOUT):
             raise ValueError(
-                f"grpo_patches.apply: reward_timeout={timeout!r} must be a positive number of seconds "
-                f"(the bound after which every rank raises when reward computation hangs)."
+                f"grpo_patches.apply: reward_timeout={timeout!r} must be a number of seconds in "
+                f"(0, {MAX_REWARD_TIMEOUT:g}] (one day): the bound after which every rank raises when reward "
+                f"computation hangs. Pass e.g. reward_timeout=600."
+            )
+        if not isinstance(self.strict, bool):
+            raise TypeError(
+                f"grpo_patches.apply: strict={self.strict!r} must be True (refuse an untested TRL release) or "
+                f"False (warn and patch nothing)."
             )
 
     @property

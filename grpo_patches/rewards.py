@@ -36,6 +36,7 @@ __all__ = [
     "Scored",
     "compute_rewards",
     "reward_column",
+    "chunk_slices",
     "score_in_chunks",
     "validate_chunk_size",
 ]
@@ -153,22 +154,27 @@ def _group_ids(n: int, num_generations: int, first: int = 0) -> list[int]:
     return [first + i // num_generations for i in range(n)]
 
 
-def score_in_chunks(
-    batch: RewardBatch, score_fn: ScoreFn, *, num_generations: int, chunk_size: int | None
-) -> Scored:
-    """Score ``batch`` in chunks of at most ``chunk_size`` completions, each chunk whole groups."""
-    n = len(batch)
+def chunk_slices(n: int, num_generations: int, chunk_size: int | None) -> list[slice]:
+    """The chunks ``n`` completions are scored in: at most ``chunk_size`` each, whole groups each."""
     if n % num_generations:
         raise ValueError(
             f"grpo_patches: a reward batch of {n} completions is not whole groups of {num_generations}"
         )
-    step = chunk_size or n
+    step = max(chunk_size or n, 1)
+    return [slice(start, min(start + step, n)) for start in range(0, n, step)]
+
+
+def score_in_chunks(
+    batch: RewardBatch, score_fn: ScoreFn, *, num_generations: int, chunk_size: int | None
+) -> Scored:
+    """Score ``batch`` in chunks of at most ``chunk_size`` completions, each chunk whole groups."""
     parts: list[Scored] = []
-    for start in range(0, n, max(step, 1)):
-        stop = min(start + step, n)
-        part = score_fn(batch.slice(start, stop), _group_ids(stop - start, num_generations, start // num_generations))
-        if part.rewards.shape[0] != stop - start:
-            raise ValueError(f"scoring returned {part.rewards.shape[0]} rows for {stop - start} completions")
+    for rows in chunk_slices(len(batch), num_generations, chunk_size):
+        size = rows.stop - rows.start
+        part = score_fn(batch.slice(rows.start, rows.stop),
+                        _group_ids(size, num_generations, rows.start // num_generations))
+        if part.rewards.shape[0] != size:
+            raise ValueError(f"scoring returned {part.rewards.shape[0]} rows for {size} completions")
         parts.append(part)
     if not parts:
         return Scored(torch.zeros(0, 0))
@@ -177,6 +183,17 @@ def score_in_chunks(
         for key, values in extras.items():
             values.extend(part.extras.get(key, [None] * part.rewards.shape[0]))
     return Scored(torch.cat([p.rewards.float().cpu() for p in parts]), extras)
+
+
+def _whole_groups_failure(batch: RewardBatch, num_generations: int, rank: int, hint: str) -> Failure | None:
+    """Each rank must hand in whole groups, under either placement: a group cut between two ranks
+    (or two batches) would be normalized from a part of its completions."""
+    if len(batch) % num_generations == 0:
+        return None
+    return Failure(rank, "reward computation", "GroupShapeError",
+                   f"grpo_patches: rank {rank} was given {len(batch)} completions to score, which is not whole "
+                   f"groups of num_generations={num_generations}: a group would be cut across ranks or batches."
+                   + (f" {hint}" if hint else ""))
 
 
 def compute_rewards(
@@ -190,6 +207,7 @@ def compute_rewards(
     timeout: float = 600.0,
     everywhere: bool = False,
     running: Callable[[], str] | None = None,
+    shape_hint: str = "",
 ) -> RewardResult:
     """Score this rank's ``batch`` where ``placement`` says; a collective over ``group``.
 
@@ -197,22 +215,25 @@ def compute_rewards(
     global by definition, e.g. TRL's ``scale_rewards="batch"``); otherwise only rank 0 has it.
     Raises :class:`~grpo_patches.collectives.RemoteFailureError` on every rank if scoring failed or
     timed out on any rank; ``running`` names the reward function in progress for the timeout message.
+    A rank whose ``batch`` is not whole groups is such a failure too; ``shape_hint`` says how to fix it.
     """
     if placement not in PLACEMENTS:
         raise ValueError(f"reward_placement={placement!r}; expected one of {PLACEMENTS}")
     run = lambda b: score_in_chunks(b, score_fn, num_generations=num_generations, chunk_size=chunk_size)  # noqa: E731
     score = _score_local if placement == "local" else _score_on_main
-    return score(batch, run, group=group, timeout=timeout, everywhere=everywhere, running=running)
+    failure = _whole_groups_failure(batch, num_generations, group.rank, shape_hint)
+    return score(batch, run, failure, group=group, timeout=timeout, everywhere=everywhere, running=running)
 
 
-def _score_local(batch, run, *, group: FailFastGroup, timeout: float, everywhere: bool, running) -> RewardResult:
-    failure: Failure | None = None
+def _score_local(batch, run, failure: Failure | None, *, group: FailFastGroup, timeout: float, everywhere: bool,
+                 running) -> RewardResult:
     scored: Scored | None = None
-    try:
-        scored = call_with_timeout(lambda: run(batch), timeout, what=f"reward computation on rank {group.rank}",
-                                   running=running)
-    except Exception as exc:
-        failure = failure_from(exc, rank=group.rank, where="reward computation")
+    if failure is None:
+        try:
+            scored = call_with_timeout(lambda: run(batch), timeout, what=f"reward computation on rank {group.rank}",
+                                       running=running)
+        except Exception as exc:
+            failure = failure_from(exc, rank=group.rank, where="reward computation")
     if group.world_size == 1:
         group.raise_if_failed([failure] if failure else [])
         assert scored is not None
@@ -240,13 +261,14 @@ def _score_local(batch, run, *, group: FailFastGroup, timeout: float, everywhere
     return RewardResult(scored.rewards, full, counts, scored.extras)
 
 
-def _score_on_main(batch, run, *, group: FailFastGroup, timeout: float, everywhere: bool, running) -> RewardResult:
-    failure: Failure | None = None
+def _score_on_main(batch, run, failure: Failure | None, *, group: FailFastGroup, timeout: float, everywhere: bool,
+                   running) -> RewardResult:
     payload: bytes | None = None
-    try:
-        payload = pickle.dumps(batch)
-    except Exception as exc:
-        failure = failure_from(exc, rank=group.rank, where="sending completions to the main process")
+    if failure is None:
+        try:
+            payload = pickle.dumps(batch)
+        except Exception as exc:
+            failure = failure_from(exc, rank=group.rank, where="sending completions to the main process")
     gathered = group.gather_to_main((failure, payload))
     replies: list[Any] | None = None
     full: torch.Tensor | None = None

@@ -7,8 +7,8 @@ read from the config, which method computes rewards) stays in the era's adapter 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -20,9 +20,7 @@ from ..collectives import FailFastGroup
 from ..generation import enable_fast_generation
 from ..grouping import RankLocalGroupSampler, check_group_shape
 from ..options import PatchOptions, active
-from ..rewards import RewardBatch, Scored, compute_rewards, reward_column, validate_chunk_size
-
-logger = logging.getLogger("grpo_patches")
+from ..rewards import RewardBatch, Scored, chunk_slices, compute_rewards, reward_column, validate_chunk_size
 
 STATE_ATTR = "_grpo_patches"
 UNSCORED_KEYS = ("prompt", "completion", "completion_ids")
@@ -68,6 +66,20 @@ def check_shape(shape: GroupShape, options: PatchOptions, *, evaluates: bool) ->
         validate_chunk_size(options.reward_chunk_size, shape.num_generations_eval, name="num_generations_eval")
 
 
+def evaluates(config: Any) -> bool:
+    """Whether the Trainer will evaluate on its own schedule. With ``eval_strategy="no"`` the eval
+    shape is not refused at construction (evaluation may never run); a later ``evaluate()`` call
+    with a shape that cuts groups still fails, at its first scoring call, on every rank."""
+    return getattr(config, "eval_strategy", "no") != "no"  # a str enum in transformers
+
+
+def _datasets(value: Any) -> list[Any]:
+    """The datasets of a ``train_dataset`` / ``eval_dataset`` argument (one, or a dict of them)."""
+    if value is None:
+        return []
+    return list(value.values()) if isinstance(value, dict) else [value]
+
+
 def init_wrapper(shape_of: Callable[[Any], GroupShape], *,
                  fast_generation_available: Callable[[], bool] = lambda: False) -> Callable:
     """The ``GRPOTrainer.__init__`` wrapper of every era; ``shape_of`` reads the era's config fields.
@@ -83,9 +95,11 @@ def init_wrapper(shape_of: Callable[[Any], GroupShape], *,
             return wrapped(*args, **kwargs)
         bound = inspect.signature(wrapped).bind(*args, **kwargs)
         config = bound.arguments.get("args")
-        evaluates = bound.arguments.get("eval_dataset") is not None
         if config is not None:
-            check_shape(shape_of(config), options, evaluates=evaluates)
+            check_shape(shape_of(config), options, evaluates=evaluates(config))
+        for name in ("train_dataset", "eval_dataset"):
+            for dataset in _datasets(bound.arguments.get(name)):
+                check_columns(getattr(dataset, "column_names", None), name)
         if options.fast_generation is not None and not fast_generation_available():
             raise ValueError(
                 "grpo_patches: fast_generation=True needs GRPOTrainer._generate_single_turn(prompt_ids, ...), which "
@@ -112,7 +126,7 @@ def init_wrapper(shape_of: Callable[[Any], GroupShape], *,
             )
         wrapped(*bound.args, **bound.kwargs)
         if config is None:  # TRL built a default config: check it now
-            check_shape(shape_of(instance.args), options, evaluates=evaluates)
+            check_shape(shape_of(instance.args), options, evaluates=evaluates(instance.args))
         setattr(instance, STATE_ATTR, TrainerPatchState(options, FailFastGroup(options.collective_timeout)))
         if options.fast_generation is not None:
             enable_fast_generation(instance, options.fast_generation)
@@ -185,72 +199,162 @@ def _accepts(func: Callable, name: str) -> bool:
     return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
+KIT_KWARGS = ("num_generations", "group_ids")  # reward kwargs of the kit's own (listwise rewards)
+
+
+def check_columns(columns: Any, where: str) -> None:
+    """A dataset column named like one of the kit's reward kwargs would be overwritten silently."""
+    clash = [c for c in KIT_KWARGS if c in (columns or ())]
+    if clash:
+        raise ValueError(
+            f"grpo_patches: the {where} has a column named {clash[0]!r}, which is also the name of the reward "
+            f"keyword argument the kit gives reward functions ({', '.join(KIT_KWARGS)}: whole-group rewards); "
+            f"its values would be replaced. Rename the column (e.g. dataset.rename_column({clash[0]!r}, "
+            f"'{clash[0]}_'))."
+        )
+
+
+def _is_async(func: Any) -> bool:
+    """Whether calling ``func`` returns a coroutine (functions, partials, callable instances), as
+    upstream's ``is_async_callable`` decides."""
+    func = getattr(func, "func", func)  # functools.partial
+    return inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(getattr(type(func), "__call__", None))  # noqa: B004
+
+
 def score_batch(trainer: Any, batch: RewardBatch, group_ids: list[int], *, num_generations: int,
-                with_environments: bool, progress: dict[str, str] | None = None,
-                funcs: list[tuple[Any, Any, str]] | None = None) -> Scored:
-    """TRL's reward loop for one chunk: every reward function / model on ``batch``.
+                with_environments: bool, chunk_size: int | None = None, progress: dict[str, str] | None = None,
+                funcs: list[tuple[Any, Any, str]] | None = None, profile: Callable[[str], Any] | None = None,
+                warn_unscored: Callable[[dict], None] | None = None) -> Scored:
+    """TRL's reward loop on ``batch``: every reward function / model, each over chunks of whole groups.
 
     ``funcs``: ``(function or model, processing class, name)`` triples; default the trainer's.
+    ``profile(name)``: the era's ``profiling_context`` around each function's whole share of the
+    step (one timing per function per step, as upstream logs it, however many chunks).
+    ``warn_unscored(row)``: upstream's warning (its text, on its logger) for the first row no
+    function scored, given that row's keyword arguments as upstream shows them.
 
-    Same calls as upstream (``prompts``, ``completions``, ``completion_ids``, the dataset columns,
-    ``trainer_state``, ``log_extra``, ``log_metric``), plus ``num_generations`` and ``group_ids``
-    for functions that accept them (whole-group / listwise rewards: TRL #3896, #4707).
+    As upstream: on the calling thread, models and synchronous functions one after another, then
+    the async functions concurrently on the trainer's event loop; the same keyword arguments
+    (``prompts``, ``completions``, ``completion_ids``, the dataset columns, ``trainer_state``,
+    ``log_extra``, ``log_metric``, ``environments``), plus ``num_generations`` and ``group_ids`` for
+    functions that accept them (whole-group / listwise rewards: TRL #3896, #4707).
     """
     from transformers import Trainer
 
-    device = trainer.accelerator.device
-    # This runs in the watchdog's thread, whose current device is cuda:0. A single-process run's device
-    # is plain "cuda" (no index: the current device, which set_device refuses), and needs nothing.
-    if device.type == "cuda" and device.index is not None:
-        torch.cuda.set_device(device)
+    check_columns(batch.columns, "dataset")
     if funcs is None:
         funcs = list(zip(trainer.reward_funcs, trainer.reward_processing_classes, trainer.reward_func_names,
                          strict=True))
+    profile = profile or (lambda name: contextlib.nullcontext())
     n = len(batch)
+    slices = chunk_slices(n, num_generations, chunk_size)
     rewards = torch.zeros(n, len(funcs))
     extras: dict[str, list[Any]] = {}
-    columns: dict[str, Any] = dict(batch.columns)  # upstream passes the dataset columns in every era
+    environments = getattr(trainer, "environments", None) if with_environments else None
     # Passed only to functions that accept them: upstream added trainer_state (0.20), log_extra /
     # log_metric (1.0) and environments later, and a reward function written for an older release
     # (no **kwargs) must keep working; num_generations / group_ids are the kit's own.
-    optional: dict[str, Any] = {
+    shared: dict[str, Any] = {
         "trainer_state": trainer.state,
         "log_extra": lambda column, values: extras.setdefault(column, []).extend(values),
         "log_metric": getattr(trainer, "_log_metric", lambda name, value: None),
         "num_generations": num_generations,
-        "group_ids": group_ids,
     }
-    if with_environments and getattr(trainer, "environments", None) is not None:
-        optional["environments"] = trainer.environments
-    for i, (func, processing_class, name) in enumerate(funcs):
-        if progress is not None:
-            progress["now"] = f"reward function '{name}'"
+
+    def call_kwargs(func: Any, rows: slice) -> dict[str, Any]:
+        kwargs = {k: v[rows] for k, v in batch.columns.items()}
+        per_row = {"group_ids": group_ids[rows]}
+        if environments is not None:
+            per_row["environments"] = environments[rows]
+        for key, value in [*shared.items(), *per_row.items()]:
+            if _accepts(func, key):
+                kwargs[key] = value
+        return dict(prompts=batch.prompts[rows], completions=batch.completions[rows],
+                    completion_ids=batch.completion_ids[rows], **kwargs)
+
+    def named(name: str, fn: Callable[[], Any]) -> Any:
         try:
-            if isinstance(func, nn.Module):
-                rewards[:, i] = _score_with_model(trainer, Trainer, func, processing_class, batch)
-                values = rewards[:, i]
-                if not torch.isfinite(values).all():
-                    bad = int((~torch.isfinite(values)).nonzero()[0, 0])
-                    raise ValueError(f"reward model '{name}' gave {values[bad].item()} for completion {bad}")
-                continue
-            call_kwargs = dict(columns)
-            call_kwargs.update({k: v for k, v in optional.items() if _accepts(func, k)})
-            out = func(prompts=batch.prompts, completions=batch.completions,
-                       completion_ids=batch.completion_ids, **call_kwargs)
-            if inspect.isawaitable(out):
-                # the loop is async_reward_loop in 0.27, async_loop from 0.28
-                loop = getattr(trainer, "async_loop", None) or getattr(trainer, "async_reward_loop", None)
-                out = (asyncio.run_coroutine_threadsafe(out, loop).result() if loop is not None
-                       else asyncio.run(out))
-            rewards[:, i] = torch.tensor(reward_column(out, n, name), dtype=torch.float32)
+            return fn()
         except Exception as exc:
             exc.grpo_patches_where = f"reward function '{name}'"  # type: ignore[attr-defined]
             raise
-    unscored = torch.isnan(rewards).all(dim=1)
-    if unscored.any():
-        first = int(unscored.nonzero()[0, 0])
-        logger.warning("All reward functions returned None for completion %d: %r", first, batch.completions[first])
+
+    def model_column(model: nn.Module, processing_class: Any, name: str) -> torch.Tensor:
+        values = torch.cat([_score_with_model(trainer, Trainer, model, processing_class, batch.slice(r.start, r.stop))
+                            for r in slices])
+        if not torch.isfinite(values).all():
+            bad = int((~torch.isfinite(values)).nonzero()[0, 0])
+            raise ValueError(f"reward model '{name}' gave {values[bad].item()} for completion {bad}")
+        return values
+
+    def func_column(func: Any, name: str) -> list[float]:
+        return [x for r in slices for x in reward_column(func(**call_kwargs(func, r)), r.stop - r.start, name)]
+
+    async_funcs = []
+    for i, (func, processing_class, name) in enumerate(funcs):
+        if progress is not None:
+            progress["now"] = f"reward function '{name}'"
+        if isinstance(func, nn.Module):
+            with profile(name):
+                rewards[:, i] = named(name, lambda: model_column(func, processing_class, name))  # noqa: B023
+        elif _is_async(func):
+            async_funcs.append((i, func, name))
+        else:
+            with profile(name):
+                rewards[:, i] = torch.tensor(named(name, lambda: func_column(func, name)),  # noqa: B023
+                                             dtype=torch.float32)
+    if async_funcs:
+        if progress is not None:
+            progress["now"] = "async reward functions " + ", ".join(f"'{name}'" for _, _, name in async_funcs)
+        for i, column in _run_async(trainer, async_funcs, slices, call_kwargs, profile):
+            rewards[:, i] = torch.tensor(column, dtype=torch.float32)
+    if warn_unscored is not None:
+        _report_unscored(warn_unscored, rewards, batch, environments)
     return Scored(rewards, extras)
+
+
+def _run_async(trainer: Any, async_funcs: list, slices: list[slice], call_kwargs: Callable, profile: Callable):
+    """Upstream runs the async reward functions together (``asyncio.gather``) on its event loop."""
+
+    async def one(i: int, func: Any, name: str) -> tuple[int, list[float]]:
+        try:
+            with profile(name):
+                column: list[float] = []
+                for r in slices:
+                    column += reward_column(await func(**call_kwargs(func, r)), r.stop - r.start, name)
+                return i, column
+        except Exception as exc:
+            exc.grpo_patches_where = f"reward function '{name}'"  # type: ignore[attr-defined]
+            raise
+
+    async def together() -> list[tuple[int, list[float]]]:
+        return await asyncio.gather(*(one(*f) for f in async_funcs))
+
+    # the loop is async_reward_loop in 0.27, async_loop from 0.28; none before
+    loop = getattr(trainer, "async_loop", None) or getattr(trainer, "async_reward_loop", None)
+    if loop is None:
+        return asyncio.run(together())
+    future = asyncio.run_coroutine_threadsafe(together(), loop)
+    try:
+        return future.result()
+    except BaseException:  # an error, the watchdog's interrupt, Ctrl-C: stop what still runs
+        future.cancel()
+        raise
+
+
+def _report_unscored(warn: Callable[[dict], None], rewards: torch.Tensor, batch: RewardBatch,
+                     environments: Any) -> None:
+    """The first row no reward function scored, with the keyword arguments upstream shows for it."""
+    unscored = torch.isnan(rewards).all(dim=1)
+    if not unscored.any():
+        return
+    idx = int(unscored.nonzero()[0, 0])
+    row = {key: values[idx] for key, values in batch.columns.items()}
+    if environments is not None:
+        row["environments"] = environments[idx]
+    row["prompt"] = batch.prompts[idx]
+    row["completion"] = batch.completions[idx]
+    warn(row)
 
 
 def _score_with_model(trainer: Any, trainer_cls: type, model: nn.Module, processing_class: Any,
@@ -271,7 +375,9 @@ def _score_with_model(trainer: Any, trainer_cls: type, model: nn.Module, process
 
 
 def trl_layout_rewards(trainer: Any, inputs: list[dict], prompts: list, completions: list,
-                       completion_ids_list: list, *, num_generations: int, global_stats: bool) -> torch.Tensor:
+                       completion_ids_list: list, *, num_generations: int, global_stats: bool,
+                       profile: Callable[[str], Any] | None = None,
+                       warn_unscored: Callable[[dict], None] | None = None, shape_hint: str = "") -> torch.Tensor:
     """Rewards ``[world * n, F]`` in the layout TRL's caller expects, computed by the kit.
 
     TRL's caller normalizes over the rows of all ranks and then keeps rows ``rank*n:(rank+1)*n``.
@@ -279,6 +385,8 @@ def trl_layout_rewards(trainer: Any, inputs: list[dict], prompts: list, completi
     rows are filled with NaN (TRL treats all-NaN rows as unscorable and zeroes their advantages,
     and they are sliced away). The main process gets every rank's rows, so the metrics it logs
     are upstream's; ``global_stats`` (batch-level std) sends every rank the full tensor.
+    ``profile``, ``warn_unscored``: the era's profiling context and unscored-row warning (see
+    :func:`score_batch`); ``shape_hint``: how to fix a batch that is not whole groups.
     """
     state: TrainerPatchState = getattr(trainer, STATE_ATTR)
     options = state.options
@@ -288,15 +396,19 @@ def trl_layout_rewards(trainer: Any, inputs: list[dict], prompts: list, completi
     progress: dict[str, str] = {}
     result = compute_rewards(
         batch,
+        # chunks are cut inside score_batch, per function, so that each function's profiling timing
+        # covers its whole share of the step (as upstream's does)
         lambda b, ids: score_batch(trainer, b, ids, num_generations=num_generations,
-                                   with_environments=local_placement, progress=progress),
+                                   with_environments=local_placement, chunk_size=options.reward_chunk_size,
+                                   progress=progress, profile=profile, warn_unscored=warn_unscored),
         group=state.group,
         placement=options.reward_placement,
         num_generations=num_generations,
-        chunk_size=options.reward_chunk_size,
+        chunk_size=None,
         timeout=options.reward_timeout,
         everywhere=global_stats,
         running=lambda: progress.get("now", ""),
+        shape_hint=shape_hint,
     )
     log_extra = getattr(trainer, "_log_completion_extra", None)
     if log_extra is not None:

@@ -58,12 +58,14 @@ def _guard(trainer: Any, state: TrainerPatchState, func: Any, processing_class: 
                             {k: list(v) for k, v in columns.items()})
         result = compute_rewards(
             batch,
+            # upstream's loop times each call of this guard (profiling) and warns about unscored rows itself
             lambda b, ids: score_batch(trainer, b, ids, num_generations=trainer.num_generations,
-                                       with_environments=False, funcs=[(func, processing_class, name)]),
+                                       with_environments=False, chunk_size=options.reward_chunk_size,
+                                       funcs=[(func, processing_class, name)]),
             group=state.group,
             placement=options.reward_placement,
             num_generations=trainer.num_generations,
-            chunk_size=options.reward_chunk_size,
+            chunk_size=None,
             timeout=options.reward_timeout,
             running=lambda: f"reward function '{name}'",
         )

@@ -43,6 +43,22 @@ def _fast_generation_available() -> bool:
     return "_generate_single_turn" in ADAPTER.available()
 
 
+def _warn_unscored(row: dict) -> None:
+    """Upstream's warning for a row no reward function scored: ``warnings.warn`` until 0.23, the
+    module's (accelerate, main-process) logger from 0.24, each with its own text."""
+    import warnings
+
+    from trl.trainer import grpo_trainer
+
+    logger = getattr(grpo_trainer, "logger", None)
+    if logger is None:
+        warnings.warn(f"All reward functions returned None for the following kwargs: {row}. "
+                      "Please ensure that at least one reward function returns a valid reward.", stacklevel=2)
+    else:
+        logger.warning(f"All reward functions returned None for the following kwargs:\n{row}\n"
+                       "Please ensure that at least one reward function returns a valid reward.")
+
+
 _init = init_wrapper(_shape, fast_generation_available=_fast_generation_available)
 
 
@@ -63,9 +79,16 @@ def _calculate_rewards(wrapped, instance, args, kwargs):
         getattr(instance, "scale_rewards", None) == "batch"
         or getattr(instance, "multi_objective_aggregation", "sum_then_normalize") == "normalize_then_sum"
     )
+    from trl.extras.profiling import profiling_context
+
+    hint = (f"Make per_device_train_batch_size x steps_per_generation a multiple of num_generations={num_generations}."
+            if training else
+            f"Make per_device_eval_batch_size a multiple of num_generations_eval={num_generations}.")
     return trl_layout_rewards(
         instance, inputs, prompts, completions, completion_ids_list,
         num_generations=num_generations, global_stats=global_stats,
+        profile=lambda name: profiling_context(instance, name), warn_unscored=_warn_unscored,
+        shape_hint=hint,
     )
 
 
