@@ -75,6 +75,9 @@ VARIANTS: dict[str, tuple[dict[str, Any] | None, dict[str, Any]]] = {
     # the graph loop before issue 16: adapter matmuls at every token, caches kept through training
     "patched-graph-unmerged": ({"reward_placement": "local", "fast_generation": {
         "decode_loop": "graph", "merge_lora": False, "release_after_sampling": False}}, {}),
+    # the adapter's matmuls at every token (no 2.4 GiB buffer for the 1.5B policy), caches released
+    "patched-graph-nomerge": ({"reward_placement": "local", "fast_generation": {
+        "decode_loop": "graph", "merge_lora": False}}, {}),
     # merged buffer, but caches and buffer kept through training (no re-allocation between rounds)
     "patched-graph-kept": ({"reward_placement": "local", "fast_generation": {
         "decode_loop": "graph", "release_after_sampling": False}}, {}),

@@ -5,6 +5,7 @@
 #                                          # decode ms/step, 1.5B, batch 8: eager (TRL's way), graph loop with the
 #                                          # adapter's matmuls, graph loop from the merged buffer; GRPO step, 1 GPU,
 #                                          # 1.5B: stock vs patched-graph (merged + release) vs patched-graph-kept
+#   bash benchmarks/issue16_session.sh 3   # the decode job again (--repeats 1), the 0.5B step, 24 GiB: stock 192, kit 192
 #   bash benchmarks/issue16_session.sh 2   # GRPO step, 1 GPU, 0.5B: stock vs patched-graph; 24 GiB cap, 1.5B,
 #                                          # checkpointing on: probes (1 + 2 steps each) stock 192, kit 192 / 208 / 160
 #
@@ -18,7 +19,7 @@ TAG=issue16
 . benchmarks/device_jobs.sh
 probe() {  # probe VARIANT BATCH: one 24 GiB probe, 1 + 2 steps (throughput and step time: the 2 after the first)
   echo "python3 benchmarks/bench_grpo.py --find-max-batch --nproc 1 --mem-cap-gb 24 --policy 1.5b --grad-ckpt on \
-    --variants $1 --start-batch $2 --max-batch-limit $2 --probe-steps 3 --probe-timeout 170 --out $R/24gb-1.5b"
+    --variants $1 --start-batch $2 --max-batch-limit $2 --probe-steps 3 --probe-timeout 125 --out $R/24gb-1.5b"
 }
 case $part in
 1)
@@ -33,7 +34,14 @@ case $part in
     BENCH_OUT=$R/1gpu-0.5b bash benchmarks/run_bench.sh"; wait
   job 24gb 390 "$(probe stock 192); $(probe patched-graph 192); $(probe patched-graph 208); $(probe patched-graph 160)"
   ;;
-*) echo "part must be 1 or 2" >&2; exit 2 ;;
+3)  # what part 1 left (the decode job ran past its 170 s) plus what fits of part 2 in one call
+  job decode-1.5b 200 "python3 benchmarks/bench_generation.py --policy 1.5b --paths eager,graph_unmerged,graph \
+    --repeats 1 --out $R/decode-1.5b.json"; wait
+  job grpo-0.5b 140 "GPUS=1 POLICY=0.5b VARIANTS=stock,patched-graph STEPS=2 BUDGET_S=135 \
+    BENCH_OUT=$R/1gpu-0.5b bash benchmarks/run_bench.sh"; wait
+  job 24gb 235 "$(probe stock 192); $(probe patched-graph 192)"
+  ;;
+*) echo "part must be 1, 2 or 3" >&2; exit 2 ;;
 esac
 wait
 log "part $part done"

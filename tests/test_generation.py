@@ -938,3 +938,24 @@ def test_config_other_fields_are_type_checked():
     for field, bad in (("bucket", "64"), ("check_every", True), ("max_prompt_length", 0), ("decode_loop", None)):
         with pytest.raises(ValueError, match=field):
             FastGenerationConfig(**{field: bad})
+
+
+def test_merged_buffer_that_does_not_fit_samples_unmerged_with_one_warning(monkeypatch):
+    from grpo_patches.generation import MergedLoRAWeights
+
+    model = lora_policy()
+    ids, mask = batch([5, 9, 7, 3])
+
+    def no_memory(self, layers):
+        raise torch.OutOfMemoryError("simulated: no room for the buffer")
+
+    monkeypatch.setattr(MergedLoRAWeights, "_allocate", no_memory)
+    calls, handles = _lora_a_calls(model)
+    counting = Counting()
+    with pytest.warns(RuntimeWarning, match="merged LoRA buffer"):
+        out = fast_generate(model, ids, mask, generation_config=greedy(), config=counting.config())
+    for h in handles:
+        h.remove()
+    buffer = generation._MERGED[model]
+    assert torch.equal(out, eager_generate(model, ids, mask)) and calls, "sampled correctly, unmerged"
+    assert buffer.skipped == 1 and buffer.flat is None and buffer.allocations == 0

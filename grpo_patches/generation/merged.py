@@ -25,6 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .config import warn_once
+
 __all__ = ["MergedLoRAWeights", "mergeable_layers"]
 
 _ALIGN = 128  # elements: every slice starts 256-byte aligned in bf16
@@ -77,6 +79,7 @@ class MergedLoRAWeights:
         self.refreshes = 0
         self.allocations = 0
         self.moves = 0  # allocations that landed at a new address (a CUDA graph re-records then)
+        self.skipped = 0  # calls that sampled unmerged because the buffer did not fit in memory
         self._address: int | None = None
 
     @property
@@ -124,7 +127,16 @@ class MergedLoRAWeights:
         if not layers:
             yield 0
             return
-        self._allocate(layers)
+        try:
+            self._allocate(layers)
+        except torch.OutOfMemoryError:  # the buffer is a speed-up, never a reason to fail: sample unmerged
+            self.release()
+            self.skipped += 1
+            warn_once("merge-oom", "grpo_patches fast_generation: no memory for the merged LoRA buffer "
+                      f"({sum(m.get_base_layer().weight.numel() for m, _ in layers) * 2} bytes in bf16); sampling "
+                      "with the adapter's own matmuls (merge_lora=False avoids the attempt).")
+            yield 0
+            return
         self._refresh(layers)
         saved = []
         try:
