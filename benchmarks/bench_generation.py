@@ -4,14 +4,16 @@ Two modes, random-weight Qwen2.5-like policies (no hub access needed), LoRA r16 
 with a random (nonzero) B, batch 8, 256 new tokens (every row runs to the end: min_new_tokens):
 
 * default (``generate``): ``model.generate`` with TRL 1.16's generation config (built as TRL builds
-  it, ``disable_compile=True``, policy in training mode as TRL samples) vs :func:`fast_generate`
-  (static cache, compiled decode step, eval mode) with transformers' decode loop (``fast``) and with
-  ``decode_loop="graph"`` (``graph``: one compiled step per token that also samples; the same run).
-  Reports ms per decode step, the first compiled call (compilation), recompilations over later calls
-  with other prompt lengths, and the HBM floor (bytes of the parameters / 4.8 TB/s for an H200; the
-  KV cache read is listed separately). The graph loop does not implement ``min_new_tokens``, so its
+  it, ``disable_compile=True``, policy in training mode as TRL samples: ``eager``) vs :func:`fast_generate`
+  (static cache, compiled decode step, eval mode) on the paths of ``--paths``: transformers' decode
+  loop (``fast``), the graph loop from the merged LoRA buffer (``graph``, the default config), the
+  graph loop with the adapter's matmuls (``graph_unmerged``: ``merge_lora=False``) and with the caches
+  and buffer kept between calls (``graph_kept``). Reports ms per decode step, its multiple of the
+  floor (every weight and the full static cache read once per step at 4.8 TB/s), the first compiled
+  call (compilation), recompilations over later calls with other prompt lengths, and the merged
+  buffer's size and allocations. The graph loop does not implement ``min_new_tokens``, so its
   rows run to the end through ``eos_token_id=[]`` instead (the same number of decode steps); a
-  failure of the graph path is recorded (``graph_error``) and the other paths' results are kept.
+  failure of a graph path is recorded (``<path>_error``) and the other paths' results are kept.
 * ``--trl-step``: stock ``GRPOTrainer`` steps vs the same trainer with fast generation
   (:func:`enable_fast_generation`, what ``apply(fast_generation=True)`` installs) for each loop of
   ``--decode-loop`` (``transformers``, ``graph`` or ``transformers,graph``): the first step
@@ -22,6 +24,7 @@ with a random (nonzero) B, batch 8, 256 new tokens (every row runs to the end: m
 Prints a markdown table and writes JSON to ``--out``.
 
     python benchmarks/bench_generation.py --policy 0.5b,1.5b --out benchmarks/results/generation.json
+    python benchmarks/bench_generation.py --policy 1.5b --paths eager,graph_unmerged,graph --repeats 1   # issue 16
     python benchmarks/bench_generation.py --trl-step --policy 1.5b --out benchmarks/results/generation_trl.json
     python benchmarks/bench_generation.py --trl-step --decode-loop transformers,graph --policy 1.5b
     python benchmarks/bench_generation.py --dropout --policy 1.5b --repeats 2 --out benchmarks/results/dropout.json

@@ -846,7 +846,7 @@ def _lora_a_calls(model):
     return calls, handles
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
 def test_merged_buffer_samples_the_adapter_without_its_matmuls_and_never_writes_the_base(dtype):
     from grpo_patches.generation import mergeable_layers
 
