@@ -959,3 +959,18 @@ def test_merged_buffer_that_does_not_fit_samples_unmerged_with_one_warning(monke
     buffer = generation._MERGED[model]
     assert torch.equal(out, eager_generate(model, ids, mask)) and calls, "sampled correctly, unmerged"
     assert buffer.skipped == 1 and buffer.flat is None and buffer.allocations == 0
+
+
+def test_merged_buffer_leaves_layers_of_another_dtype_on_peft_path():
+    """One flat buffer holds one dtype: a layer in another dtype keeps PEFT's own (unmerged) path."""
+    model = lora_policy()
+    odd = next(m for n, m in model.named_modules() if n.endswith("layers.1.mlp.down_proj"))
+    odd.get_base_layer().to(torch.float64)
+    weight = odd.get_base_layer().weight
+    with sampling_mode(model):
+        others = [m for m, _ in generation.mergeable_layers(model) if m is not odd]
+        with generation.MergedLoRAWeights().applied(model) as merged:
+            assert merged == len(others) == 2 * len(ALL_PROJ) - 1
+            assert not odd.merged and odd.get_base_layer().weight is weight
+            assert all(m.merged for m in others)
+    assert not any(m.merged for m in others)

@@ -92,8 +92,6 @@ class MergedLoRAWeights:
         layout = tuple((id(m), tuple(w.shape), w.dtype, w.device) for (m, _), w in zip(layers, weights, strict=True))
         if self.flat is not None and layout == self._layout:
             return
-        if any(w.dtype != dtype or w.device != device for w in weights):
-            raise ValueError("merge_lora: the adapted layers' weights differ in dtype or device")
         offsets, total = [], 0
         for w in weights:
             offsets.append(total)
@@ -124,6 +122,10 @@ class MergedLoRAWeights:
     def applied(self, model: nn.Module) -> Iterator[int]:
         """Inside the block the model samples from the merged buffer; yields how many layers merged."""
         layers = mergeable_layers(model)
+        if layers:  # one flat buffer: layers of another dtype or device (rare) keep PEFT's own path
+            first = layers[0][0].get_base_layer().weight
+            layers = [(m, a) for m, a in layers if (m.get_base_layer().weight.dtype, m.get_base_layer().weight.device)
+                      == (first.dtype, first.device)]
         if not layers:
             yield 0
             return
