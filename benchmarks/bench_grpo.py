@@ -574,6 +574,11 @@ def worker(args) -> int:
             log(f"{variant} done: median step {s.get('median', float('nan')):.2f} s, peak allocated "
                 f"{(peak or 0) / GiB:.2f} GiB (rank 0), build {rec['build_s']:.1f} s, train "
                 f"{rec['train_s']:.1f} s; elapsed {time.perf_counter() - t0:.0f} s", rank)
+            fl = rec["floor"]
+            log(f"{variant} floor: {fl['floor_s']:.3f} s per step ({fl['floor_flops'] / 1e12:.1f} TFLOP at "
+                f"{PEAK_BF16_FLOPS / 1e12:.0f} TFLOP/s, {fl['floor_decode_bytes'] / 1e9:.0f} GB of decode reads at "
+                f"{HBM_BYTES_PER_S / 1e12:.1f} TB/s); measured {s.get('median', float('nan')) / fl['floor_s']:.2f}x "
+                f"the floor", rank)
             for r_ in range(world):  # every rank's memory, in rank order
                 barrier(world)
                 if r_ == rank and cuda:
