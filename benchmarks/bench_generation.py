@@ -4,14 +4,16 @@ Two modes, random-weight Qwen2.5-like policies (no hub access needed), LoRA r16 
 with a random (nonzero) B, batch 8, 256 new tokens (every row runs to the end: min_new_tokens):
 
 * default (``generate``): ``model.generate`` with TRL 1.16's generation config (built as TRL builds
-  it, ``disable_compile=True``, policy in training mode as TRL samples) vs :func:`fast_generate`
-  (static cache, compiled decode step, eval mode) with transformers' decode loop (``fast``) and with
-  ``decode_loop="graph"`` (``graph``: one compiled step per token that also samples; the same run).
-  Reports ms per decode step, the first compiled call (compilation), recompilations over later calls
-  with other prompt lengths, and the HBM floor (bytes of the parameters / 4.8 TB/s for an H200; the
-  KV cache read is listed separately). The graph loop does not implement ``min_new_tokens``, so its
+  it, ``disable_compile=True``, policy in training mode as TRL samples: ``eager``) vs :func:`fast_generate`
+  (static cache, compiled decode step, eval mode) on the paths of ``--paths``: transformers' decode
+  loop (``fast``), the graph loop from the merged LoRA buffer (``graph``, the default config), the
+  graph loop with the adapter's matmuls (``graph_unmerged``: ``merge_lora=False``) and with the caches
+  and buffer kept between calls (``graph_kept``). Reports ms per decode step, its multiple of the
+  floor (every weight and the full static cache read once per step at 4.8 TB/s), the first compiled
+  call (compilation), recompilations over later calls with other prompt lengths, and the merged
+  buffer's size and allocations. The graph loop does not implement ``min_new_tokens``, so its
   rows run to the end through ``eos_token_id=[]`` instead (the same number of decode steps); a
-  failure of the graph path is recorded (``graph_error``) and the other paths' results are kept.
+  failure of a graph path is recorded (``<path>_error``) and the other paths' results are kept.
 * ``--trl-step``: stock ``GRPOTrainer`` steps vs the same trainer with fast generation
   (:func:`enable_fast_generation`, what ``apply(fast_generation=True)`` installs) for each loop of
   ``--decode-loop`` (``transformers``, ``graph`` or ``transformers,graph``): the first step
@@ -22,6 +24,7 @@ with a random (nonzero) B, batch 8, 256 new tokens (every row runs to the end: m
 Prints a markdown table and writes JSON to ``--out``.
 
     python benchmarks/bench_generation.py --policy 0.5b,1.5b --out benchmarks/results/generation.json
+    python benchmarks/bench_generation.py --policy 1.5b --paths eager,graph_unmerged,graph --repeats 1   # issue 16
     python benchmarks/bench_generation.py --trl-step --policy 1.5b --out benchmarks/results/generation_trl.json
     python benchmarks/bench_generation.py --trl-step --decode-loop transformers,graph --policy 1.5b
     python benchmarks/bench_generation.py --dropout --policy 1.5b --repeats 2 --out benchmarks/results/dropout.json
@@ -52,7 +55,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_grpo import POLICIES as GRPO_POLICIES  # noqa: E402
 
 from grpo_patches import generation  # noqa: E402
-from grpo_patches.generation import FastGenerationConfig, enable_fast_generation, fast_generate  # noqa: E402
+from grpo_patches.generation import FastGenerationConfig, fast_generate  # noqa: E402
+from grpo_patches.targets.trl_generation import enable_fast_generation  # noqa: E402
 
 H200_BYTES_PER_S = 4.8e12
 # bench_grpo's Qwen2.5-like shapes; the CPU smoke model ties its embeddings, as the real ones do
@@ -100,7 +104,15 @@ def randomize_lora_b(model, seed: int = 1, std: float = 0.02):
             torch.nn.init.normal_(p, std=std)
 
 
+def merged_bytes(model) -> int:
+    """What the merged-LoRA buffer takes (the adapted layers' base weights, once more)."""
+    return sum(m.get_base_layer().weight.numel() * m.get_base_layer().weight.element_size()
+               for m, _ in generation.mergeable_layers(model.eval()))
+
+
 def floor_ms(model, batch: int, cache_len: int) -> tuple[float, float]:
+    """HBM floor of one decode step: every weight read once (the LoRA factors are counted too), and
+    the full static cache's K and V (the attention reads the whole padded cache)."""
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     cfg = model.config
     head_dim = cfg.hidden_size // cfg.num_attention_heads
@@ -203,37 +215,56 @@ def bench_generate(name: str, args, device, dtype) -> dict:
                  "params": sum(p.numel() for p in model.parameters()),
                  "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad)}
 
+    paths = args.path_list
     # stock TRL: eager, dynamic cache, policy in training mode (LoRA dropout on) as TRL samples
-    res.update(time_eager(model, "eager", True, base_config, one_token, lengths, batch, vocab, new, device))
+    if "eager" in paths:
+        res.update(time_eager(model, "eager", True, base_config, one_token, lengths, batch, vocab, new, device))
 
-    # fast paths: transformers' decode loop (compiled forward), then the graph loop, in the same run
+    # fast paths: transformers' decode loop (compiled forward), then the graph loop (from the merged
+    # LoRA buffer, the default, and with the adapter's matmuls, merge_lora=False), in the same run
     fast_config = FastGenerationConfig(force_compile=args.force_compile, backend=args.backend, mode=args.mode,
                                        bucket=args.bucket)
-    res.update(time_fast(model, "fast", fast_config, base_config, one_token, lengths, batch, vocab, new, device))
-    gc.collect()
+    if "fast" in paths:
+        res.update(time_fast(model, "fast", fast_config, base_config, one_token, lengths, batch, vocab, new, device))
+        gc.collect()
     graph_config = dataclasses.replace(fast_config, decode_loop="graph", check_every=args.check_every)
-    try:
-        stats0 = dataclasses.replace(generation.GRAPH_STATS)
-        res.update(time_fast(model, "graph", graph_config, trl_generation_config(new, graph=True),
-                             trl_generation_config(1, graph=True), lengths, batch, vocab, new, device))
-        stats = generation.GRAPH_STATS
-        res["graph_calls"], res["graph_fallbacks"] = stats.calls - stats0.calls, stats.fallbacks - stats0.fallbacks
-        if res["graph_fallbacks"]:
-            res["graph_error"] = f"fell back to transformers' loop: {stats.last_reason}"
-        elif "graph_ms_per_decode_step" in res:
-            res["speedup_graph_vs_fast"] = res.get("fast_ms_per_decode_step", math.nan) / res["graph_ms_per_decode_step"]
-    except Exception as exc:  # noqa: BLE001 - report, keep the other paths' numbers
-        res["graph_error"] = f"{type(exc).__name__}: {exc}"
-        res["graph_traceback"] = traceback.format_exc(limit=8)
-        print(f"[{name}] graph decode loop failed: {res['graph_error']}", file=sys.stderr, flush=True)
+    graph_paths = {"graph": graph_config, "graph_unmerged": dataclasses.replace(graph_config, merge_lora=False),
+                   "graph_kept": dataclasses.replace(graph_config, release_after_sampling=False)}
+    for label, config in graph_paths.items():
+        if label not in paths:
+            continue
+        try:
+            stats0 = dataclasses.replace(generation.GRAPH_STATS)
+            res.update(time_fast(model, label, config, trl_generation_config(new, graph=True),
+                                 trl_generation_config(1, graph=True), lengths, batch, vocab, new, device))
+            stats = generation.GRAPH_STATS
+            res[f"{label}_calls"] = stats.calls - stats0.calls
+            res[f"{label}_fallbacks"] = stats.fallbacks - stats0.fallbacks
+            if res[f"{label}_fallbacks"]:
+                res[f"{label}_error"] = f"fell back to transformers' loop: {stats.last_reason}"
+            buffer = generation._MERGED.get(model)
+            if buffer is not None:
+                res[f"{label}_merged_buffer"] = {"allocations": buffer.allocations, "moves": buffer.moves,
+                                                 "refreshes": buffer.refreshes}
+        except Exception as exc:  # noqa: BLE001 - report, keep the other paths' numbers
+            res[f"{label}_error"] = f"{type(exc).__name__}: {exc}"
+            res[f"{label}_traceback"] = traceback.format_exc(limit=8)
+            print(f"[{name}] {label} decode loop failed: {res[f'{label}_error']}", file=sys.stderr, flush=True)
+        gc.collect()
+    res["merged_buffer_bytes"] = merged_bytes(model)
+    res["merged_buffer_gib"] = res["merged_buffer_bytes"] / 2**30
     res["graphs_compiled_first_call"] = res.get("fast_graphs_compiled_first_call")
     res["recompiles_after_warmup"] = res.get("fast_recompiles_after_warmup")
-    if "fast_ms_per_decode_step" in res:
-        res["speedup_decode"] = res["eager_ms_per_decode_step"] / res["fast_ms_per_decode_step"]
-    if "graph_ms_per_decode_step" in res:
-        res["speedup_graph_decode"] = res["eager_ms_per_decode_step"] / res["graph_ms_per_decode_step"]
+    for label in ("fast", "graph", "graph_unmerged", "graph_kept"):
+        if f"{label}_ms_per_decode_step" in res and "eager_ms_per_decode_step" in res:
+            res[f"speedup_{label}"] = res["eager_ms_per_decode_step"] / res[f"{label}_ms_per_decode_step"]
     cache_len = -(-max(lengths) // args.bucket) * args.bucket + new
     res["hbm_floor_ms_params"], res["hbm_kv_ms_full_cache"] = floor_ms(model, batch, cache_len)
+    floor = res["hbm_floor_ms_params"] + res["hbm_kv_ms_full_cache"]
+    res["floor_ms_per_step"] = floor
+    for label in ("eager", "fast", "graph", "graph_unmerged", "graph_kept"):
+        if f"{label}_ms_per_decode_step" in res:
+            res[f"{label}_x_floor"] = res[f"{label}_ms_per_decode_step"] / floor
     model = None
     release(device)
     return res
@@ -442,6 +473,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dropout", action="store_true",
                     help="sampling with the LoRA dropout on vs off: speed (eager, graph loop) and the samples")
     ap.add_argument("--lora-b-std", type=float, default=0.02, help="--dropout: std of the random LoRA B")
+    ap.add_argument("--paths", default="eager,fast,graph,graph_unmerged",
+                    help="generate mode: comma list of eager, fast, graph, graph_unmerged, graph_kept")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=None, help="default 256 (16 for tiny)")
     ap.add_argument("--prompt-length", type=int, default=128)
@@ -464,6 +497,7 @@ def main(argv=None) -> int:
     loops = [n.strip() for n in args.decode_loop.split(",") if n.strip()]
     if bad := [n for n in loops if n not in generation.DECODE_LOOPS]:
         ap.error(f"unknown decode loop {bad}; choose from {list(generation.DECODE_LOOPS)}")
+    args.path_list = [n.strip() for n in args.paths.split(",") if n.strip()]
     if args.new_tokens is None:
         args.new_tokens = 16 if names == ["tiny"] else 256
     if names == ["tiny"] and args.prompt_length == 128:
@@ -515,15 +549,20 @@ def main(argv=None) -> int:
         for name in names:
             rows.append(bench_generate(name, args, device, dtype))
             print(json.dumps(rows[-1], default=str), flush=True)
-        print(table(rows, [("policy", "policy"), ("eager ms/step", "eager_ms_per_decode_step"),
-                           ("fast ms/step", "fast_ms_per_decode_step"), ("speed-up", "speedup_decode"),
-                           ("graph ms/step", "graph_ms_per_decode_step"),
-                           ("graph speed-up vs eager", "speedup_graph_decode"),
+        print(table(rows, [("policy", "policy"), ("batch", "batch"), ("floor ms/step", "floor_ms_per_step"),
+                           ("eager ms/step", "eager_ms_per_decode_step"), ("x floor", "eager_x_floor"),
+                           ("fast ms/step", "fast_ms_per_decode_step"), ("x floor", "fast_x_floor"),
+                           ("graph unmerged ms/step", "graph_unmerged_ms_per_decode_step"),
+                           ("x floor", "graph_unmerged_x_floor"),
+                           ("graph (merged) ms/step", "graph_ms_per_decode_step"), ("x floor", "graph_x_floor"),
+                           ("graph kept ms/step", "graph_kept_ms_per_decode_step"),
+                           ("graph speed-up vs eager", "speedup_graph"),
                            ("first graph call s (compile)", "graph_first_call_s"),
                            ("graph recompiles after warm-up", "graph_recompiles_after_warmup"),
-                           ("graph error", "graph_error"),
+                           ("graph error", "graph_error"), ("unmerged error", "graph_unmerged_error"),
                            ("HBM floor ms/step (params)", "hbm_floor_ms_params"),
                            ("KV read ms/step (full cache)", "hbm_kv_ms_full_cache"),
+                           ("merged buffer GiB", "merged_buffer_gib"),
                            ("first fast call s (compile)", "fast_first_call_s"),
                            ("recompiles after warm-up", "recompiles_after_warmup"),
                            ("eager s/call", "eager_s_per_call"), ("fast s/call", "fast_s_per_call")]))

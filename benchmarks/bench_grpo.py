@@ -72,11 +72,20 @@ VARIANTS: dict[str, tuple[dict[str, Any] | None, dict[str, Any]]] = {
     "patched-main": ({"reward_placement": "main"}, {}),
     "patched-fast": ({"reward_placement": "local", "fast_generation": {"decode_loop": "transformers"}}, {}),
     "patched-graph": ({"reward_placement": "local", "fast_generation": {"decode_loop": "graph"}}, {}),
+    # the graph loop before issue 16: adapter matmuls at every token, caches kept through training
+    "patched-graph-unmerged": ({"reward_placement": "local", "fast_generation": {
+        "decode_loop": "graph", "merge_lora": False, "release_after_sampling": False}}, {}),
+    # the adapter's matmuls at every token (no 2.4 GiB buffer for the 1.5B policy), caches released
+    "patched-graph-nomerge": ({"reward_placement": "local", "fast_generation": {
+        "decode_loop": "graph", "merge_lora": False}}, {}),
+    # merged buffer, but caches and buffer kept through training (no re-allocation between rounds)
+    "patched-graph-kept": ({"reward_placement": "local", "fast_generation": {
+        "decode_loop": "graph", "release_after_sampling": False}}, {}),
 }
 #: (variant, baseline, target): the patch's overhead where both sides generate the same way.
 OVERHEAD_PAIRS = [("patched-graph", "stock-graph", 1.01)]
 #: step time / stock targets: no overhead (issue 5), 5x faster with fast generation (issue 6).
-STEP_TARGETS = {"patched-local": 1.01, "patched-main": 1.01, "patched-fast": 0.2, "patched-graph": 0.2}
+STEP_TARGETS = {"patched-local": 1.01, "patched-main": 1.01, "patched-fast": 0.2, "patched-graph": 0.08}
 SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>"]  # ids 0..3
 PROMPT_WORDS = 32
 GiB = 2**30
@@ -91,6 +100,49 @@ POLICIES: dict[str, dict[str, Any]] = {
                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
 }
 REWARD_MODEL = {"0.5b": "0.5b", "1.5b": "0.5b", "tiny": "tiny"}  # reward model shape per policy
+
+
+#: H200 ceilings measured on these machines (KINDS.md): bf16 matmul rate, HBM bandwidth (datasheet 4.8 TB/s;
+#: a device copy moved ~4.3 TB/s counting read + write)
+PEAK_BF16_FLOPS = 790e12
+HBM_BYTES_PER_S = 4.8e12
+
+
+def floor_estimate(policy: str, batch: int, prompt_len: int, completion_len: int, grad_ckpt: bool,
+                   dtype_bytes: int = 2) -> dict[str, float]:
+    """The least time one GRPO step on one GPU can take, from the model shapes: the matmul FLOPs of the
+    prefill, the reward model's forward, the loss's forward, the checkpointed recomputation and the
+    backward (activation gradients only: the base is frozen, LoRA's own are ~1% more) at the bf16 rate,
+    plus ``completion_len`` decode steps, each at least one read of every weight and of the KV cache
+    (or its FLOPs, whichever is larger). Attention score FLOPs included; elementwise work is not."""
+    def shape(name):
+        c = POLICIES[name]
+        h, inter, layers, heads, kv = (c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"],
+                                       c["num_attention_heads"], c["num_key_value_heads"])
+        hd = h // heads
+        linear = layers * (h * h * 2 + 2 * h * kv * hd + 3 * h * inter)  # q, o, k, v, gate, up, down
+        return dict(linear=linear, head=h * c["vocab_size"], layers=layers, q=heads * hd, kvdim=kv * hd,
+                    weights=(linear + h * c["vocab_size"] + layers * 2 * h) * dtype_bytes)
+
+    pol, rm = shape(policy), shape(REWARD_MODEL[policy])
+    seq = prompt_len + completion_len
+    tokens = batch * seq
+
+    def fwd(m, n_tokens, ctx, head_tokens):  # matmul FLOPs of one forward over n_tokens (mean context ctx)
+        return 2 * m["linear"] * n_tokens + 4 * m["layers"] * m["q"] * ctx * n_tokens + 2 * m["head"] * head_tokens
+
+    prefill = fwd(pol, batch * prompt_len, prompt_len / 2, batch)
+    reward = fwd(rm, tokens, seq / 2, 0)  # a 1-label score head: negligible
+    loss_fwd = fwd(pol, tokens, seq / 2, batch * completion_len)  # TRL's fused head: completion positions only
+    passes = 3 if grad_ckpt else 2  # forward, (recompute), backward to the activations
+    compute_s = (prefill + reward + passes * loss_fwd) / PEAK_BF16_FLOPS
+    kv_bytes = 2 * pol["layers"] * pol["kvdim"] * dtype_bytes * batch * (seq / 2)  # mean cache filled
+    step_bytes = pol["weights"] + kv_bytes
+    step_flops = fwd(pol, batch, seq / 2, batch)
+    decode_s = completion_len * max(step_bytes / HBM_BYTES_PER_S, step_flops / PEAK_BF16_FLOPS)
+    return {"floor_s": compute_s + decode_s, "floor_compute_s": compute_s, "floor_decode_s": decode_s,
+            "floor_flops": prefill + reward + passes * loss_fwd + completion_len * step_flops,
+            "floor_decode_bytes": completion_len * step_bytes, "prompt_len": prompt_len}
 
 
 def log(msg: str, rank: int = 0) -> None:
@@ -397,7 +449,7 @@ def run_variant(args, variant: str, round_idx: int, ctx: dict[str, Any]) -> dict
     )
     del policy, reward_model  # the trainer holds what it uses
     if variant == "stock-graph":
-        from grpo_patches.generation import enable_fast_generation
+        from grpo_patches.targets.trl_generation import enable_fast_generation
 
         enable_fast_generation(trainer, {"decode_loop": "graph"})
     trainer.remove_callback(PrinterCallback)  # no dump of every log dict
@@ -435,6 +487,8 @@ def run_variant(args, variant: str, round_idx: int, ctx: dict[str, Any]) -> dict
         "build_s": build_s, "train_s": train_s, "steps_recorded": len(timer.steps),
         "warmup_steps": [derive(s) for s in timer.steps[: args.warmup]],
         "timed_steps": derived, "summary": summary, "trainable_params": trainable, **mem,
+        "floor": floor_estimate(args.policy, args.per_device_batch, ctx["prompt_tokens"], args.completion_len,
+                                args.grad_ckpt == "on"),
     }
 
 
@@ -492,6 +546,7 @@ def worker(args) -> int:
         "dataset": build_dataset(args, world, POLICIES[args.policy]["vocab_size"]),
         "tmpdir": tempfile.mkdtemp(prefix="bench_grpo_"),
     }
+    ctx["prompt_tokens"] = len(ctx["tokenizer"](ctx["dataset"][0]["prompt"])["input_ids"])
     log(f"templates built in {time.perf_counter() - t0:.1f} s: policy "
         f"{sum(p.numel() for p in policy_template.parameters()) / 1e6:.1f} M params, reward model "
         f"{rm_bytes / GiB:.3f} GiB", rank)
@@ -519,6 +574,11 @@ def worker(args) -> int:
             log(f"{variant} done: median step {s.get('median', float('nan')):.2f} s, peak allocated "
                 f"{(peak or 0) / GiB:.2f} GiB (rank 0), build {rec['build_s']:.1f} s, train "
                 f"{rec['train_s']:.1f} s; elapsed {time.perf_counter() - t0:.0f} s", rank)
+            fl = rec["floor"]
+            log(f"{variant} floor: {fl['floor_s']:.3f} s per step ({fl['floor_flops'] / 1e12:.1f} TFLOP at "
+                f"{PEAK_BF16_FLOPS / 1e12:.0f} TFLOP/s, {fl['floor_decode_bytes'] / 1e9:.0f} GB of decode reads at "
+                f"{HBM_BYTES_PER_S / 1e12:.1f} TB/s); measured {s.get('median', float('nan')) / fl['floor_s']:.2f}x "
+                f"the floor", rank)
             for r_ in range(world):  # every rank's memory, in rank order
                 barrier(world)
                 if r_ == rank and cuda:
@@ -640,6 +700,7 @@ def find_max_batch(args) -> int:
                     hi = mid
         rec = {"variant": variant, "max_per_device_batch": lo, "first_failure": hi,
                "tokens_per_s_at_max": probe_throughput(probe_out, variant, lo), "probe_steps": args.probe_steps,
+               **probe_floor(probe_out, variant, lo),
                "hit_limit": hi is None, "max_batch_limit": args.max_batch_limit, "probes": tried,
                "world_size": args.nproc, "policy": args.policy, "grad_ckpt": args.grad_ckpt,
                "completion_len": args.completion_len, "num_generations": ng, "mem_cap_gb": args.mem_cap_gb,
@@ -650,6 +711,18 @@ def find_max_batch(args) -> int:
             fh.write(json.dumps(rec) + "\n")
     write_reports(out)
     return 0
+
+
+def probe_floor(probe_out: Path, variant: str, batch: int) -> dict[str, float]:
+    """The probe's step time after the first and its floor estimate (``floor_estimate``) at ``batch``."""
+    recs = [r for r in load_jsonl(probe_out / "results.jsonl") if r.get("tag") == f"probe {variant} b{batch}"]
+    if not recs or not recs[-1]["timed_steps"] or not recs[-1].get("floor"):
+        return {}
+    steps = recs[-1]["timed_steps"]
+    steps = steps[1:] if len(steps) > 1 else steps
+    step_s = statistics.median(s["step_s"] for s in steps)
+    floor = recs[-1]["floor"]["floor_s"]
+    return {"step_s_at_max": step_s, "floor_s_at_max": floor, "x_floor_at_max": step_s / floor}
 
 
 def probe_throughput(probe_out: Path, variant: str, batch: int) -> float | None:
@@ -744,9 +817,9 @@ def write_reports(out: Path) -> None:
                   f"{r0['reward_model_param_bytes'] / GiB:.3f} GiB, torch {v['torch']}, trl {v['trl']}, "
                   f"transformers {v['transformers']}, git {r0.get('git')}" + (f", tag: {r0['tag']}" if r0.get("tag") else ""),
                   "",
-                  "| variant | rank | step s (median) | spread | vs stock | tokens/s | generate s | rewards s | "
-                  "loss/bwd s | other s | peak alloc GiB | peak reserved GiB | peak alloc vs stock |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| variant | rank | step s (median) | spread | vs stock | floor s | x floor | tokens/s | generate s | "
+                  "rewards s | loss/bwd s | other s | peak alloc GiB | peak reserved GiB | peak alloc vs stock |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for variant in variants:
             for rank in ranks:
                 rs = vr.get((variant, rank))
@@ -762,10 +835,12 @@ def write_reports(out: Path) -> None:
                 peak_r = max((r.get("peak_reserved_bytes") or 0) for r in rs)
                 stock_a = max((r.get("peak_allocated_bytes") or 0) for r in vr.get(("stock", rank), [{}]))
                 mem_ratio = f"{peak_a / stock_a:.3f}" if stock_a and variant != "stock" else ""
+                floor = (rs[0].get("floor") or {}).get("floor_s")
+                floor_cols = f"{floor:.3f} | {med(steps) / floor:.2f}" if floor else " | "
                 lines.append(
                     f"| {variant} | {rank} | {su.get('median', float('nan')):.3f} | "
                     f"{su.get('p25', 0):.2f}-{su.get('p75', 0):.2f} [{su.get('min', 0):.2f}-{su.get('max', 0):.2f}] | "
-                    f"{ratio} | {med(pool(rs, 'tokens_per_s')):.1f} | {med(pool(rs, 'generate_s')):.3f} | "
+                    f"{ratio} | {floor_cols} | {med(pool(rs, 'tokens_per_s')):.1f} | {med(pool(rs, 'generate_s')):.3f} | "
                     f"{med(pool(rs, 'rewards_s')):.4f} | {med(pool(rs, 'loss_backward_s')):.3f} | "
                     f"{med(pool(rs, 'other_s')):.3f} | {peak_a / GiB:.2f} | {peak_r / GiB:.2f} | {mem_ratio} |")
         lines += ["", "Checks:", ""]
@@ -839,8 +914,8 @@ def write_reports(out: Path) -> None:
                   "Each probe is a fresh launch that must complete its steps; tokens/s = completion tokens per "
                   "second of the last probe step at the largest batch, all ranks.", "",
                   "| policy | GPUs | grad ckpt | cap GB | completion len | variant | max batch | first failure | "
-                  "batch vs stock | tokens/s at max | throughput vs stock | date |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "batch vs stock | tokens/s at max | throughput vs stock | step s at max | floor s | x floor | date |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         def key(m):
             return m["policy"], m["world_size"], m["grad_ckpt"], m["mem_cap_gb"], m["completion_len"]
         stock_of = {key(m): m for m in maxb if m["variant"] == "stock"}
@@ -855,7 +930,9 @@ def write_reports(out: Path) -> None:
             tps = f"{m['tokens_per_s_at_max']:.0f}" if m.get("tokens_per_s_at_max") else ""
             lines.append(f"| {m['policy']} | {m['world_size']} | {m['grad_ckpt']} | {m['mem_cap_gb']} | "
                          f"{m['completion_len']} | {m['variant']} | {m['max_per_device_batch']} | {fail} | "
-                         f"{ratio} | {tps} | {tput} | {m['date']} |")
+                         f"{ratio} | {tps} | {tput} | {m.get('step_s_at_max', float('nan')):.2f} | "
+                         f"{m.get('floor_s_at_max', float('nan')):.3f} | {m.get('x_floor_at_max', float('nan')):.2f} | "
+                         f"{m['date']} |")
         lines.append("")
     (out / "results.md").write_text("\n".join(lines) + "\n")
     try:

@@ -20,10 +20,11 @@ from grpo_patches import generation
 from grpo_patches.generation import (
     FAST_GEN_ATTR,
     FastGenerationConfig,
-    enable_fast_generation,
     fast_generate,
     sampling_mode,
 )
+from grpo_patches.targets import trl_generation
+from grpo_patches.targets.trl_generation import enable_fast_generation
 from tests.helpers import grpo_args, quiet, target_share, tiny_policy, tiny_tokenizer
 
 ALL_PROJ = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -223,10 +224,10 @@ VARIED = [" ".join(WORDS[:n]) for n in (3, 6, 9, 5)]
 # (3) no recompilation after warm-up over steps with different prompt lengths ----------------------
 
 
-def _train_and_count(bucket):
+def _train_and_count(bucket, **config):
     counting = Counting()
     trainer = make_trainer(VARIED, max_steps=4, gradient_checkpointing=True)  # TRL's default is on
-    state = enable_fast_generation(trainer, counting.config(bucket=bucket))
+    state = enable_fast_generation(trainer, counting.config(bucket=bucket, **config))
     seen, caches = [], []
     original = trainer._tokenize_prompts
     trainer._tokenize_prompts = lambda prompts: (out := original(prompts), seen.append(len(out[0][0])))[0]
@@ -236,15 +237,20 @@ def _train_and_count(bucket):
     return trainer, state, counting, seen, caches
 
 
-def test_no_recompilation_across_steps_with_different_prompt_lengths():
-    trainer, state, counting, seen, caches = _train_and_count(bucket=16)
+@pytest.mark.parametrize("release", [False, True])
+def test_no_recompilation_across_steps_with_different_prompt_lengths(release):
+    trainer, state, counting, seen, caches = _train_and_count(bucket=16, release_after_sampling=release)
     assert seen == [3, 6, 9, 5], "the steps must see different prompt lengths"
     assert state.calls == 4 and state.compiled
     assert counting.compiles == 1 and state.graphs_after_first_call == 0
     assert counting.runs >= 4 * 6, "decoding ran compiled at every step"
-    # one static cache, reset in place at every step: stable addresses for CUDA graphs
-    assert len(caches) >= 4 and all(c is caches[0] for c in caches)
-    assert caches[0].layers[0].max_cache_len == 16 + 8
+    assert len(caches) >= 4 and all(c.layers[0].max_cache_len == 16 + 8 for c in caches)
+    if release:  # the cache is freed after every round (training gets the memory) and built again, same shape
+        assert len({id(c) for c in caches}) == len(caches) and not state.pool.caches
+        assert state.merged.flat is None and state.merged.allocations == 4
+    else:  # one static cache, reset in place at every step: stable addresses for CUDA graphs
+        assert all(c is caches[0] for c in caches) and len(state.pool.caches) == 1
+        assert state.merged.flat is not None and state.merged.allocations == 1 and state.merged.refreshes == 4
     # the run did contain the upstream condition that would otherwise recompile at every step:
     # gradient checkpointing's input hooks pile up on the embeddings (TRL toggles it per generation)
     embeddings = trainer.model.get_input_embeddings()
@@ -370,9 +376,10 @@ def test_trainer_with_bucketed_prompts_compiled_matches_upstream_greedy():
     assert any(len(c) > 1 for c in expected), "completions long enough to compare"
 
 
-def test_cpu_without_force_warns_once_runs_eager_with_dropout_off():
+@pytest.mark.parametrize("merge", [False, True])
+def test_cpu_without_force_warns_once_runs_eager_with_dropout_off(merge):
     trainer = make_trainer(VARIED)
-    state = enable_fast_generation(trainer, True)
+    state = enable_fast_generation(trainer, {"merge_lora": merge})
     model = trainer.model
     model.train()
     seen = []
@@ -384,7 +391,12 @@ def test_cpu_without_force_warns_once_runs_eager_with_dropout_off():
         warnings.simplefilter("error")
         trainer._generate([VARIED[1]] * 4)
     assert state.compiled is False and state.calls == 2 and "cpu" in state.reason
-    assert seen and not any(seen), "LoRA dropout was on while sampling"
+    if merge:  # sampled from the merged buffer: the adapter's dropout is not even on the path
+        with sampling_mode(model):
+            mergeable = len(generation.mergeable_layers(model))
+        assert seen == [] and state.merged_layers == mergeable > 0
+    else:
+        assert seen and not any(seen), "LoRA dropout was on while sampling"
     assert dropout.training and model.training, "training flags restored"
     seen.clear()
     model(input_ids=torch.tensor([[5, 6, 7]]))
@@ -412,9 +424,9 @@ def test_class_level_wrap_as_apply_installs_it():
     from trl import GRPOTrainer
 
     original = GRPOTrainer.__dict__["_generate_single_turn"]
-    wrapt.wrap_function_wrapper(GRPOTrainer, "_generate_single_turn", generation.wrap_generate)
+    wrapt.wrap_function_wrapper(GRPOTrainer, "_generate_single_turn", trl_generation.wrap_generate)
     try:
-        assert generation._class_wrapped(GRPOTrainer)
+        assert trl_generation.class_wrapped(GRPOTrainer)
         trainer = make_trainer(VARIED)
         counting = Counting()
         state = enable_fast_generation(trainer, counting.config())
@@ -477,7 +489,8 @@ def test_gpu_trainer_steps_compile_once():
     trainer.train()
     assert state.compiled and state.calls == 4
     assert state.graphs_compiled >= 1 and state.graphs_after_first_call == 0
-    assert len(state.pool.caches) == 1
+    assert state.pool.built == 4 and not state.pool.caches, "the cache is released after every round"
+    assert state.merged_layers > 0 and state.merged.refreshes == 4 and state.merged.flat is None
     assert _counts()[1] == skips0, "no CUDA-graph skip"
 
 
@@ -718,7 +731,8 @@ def test_gpu_graph_loop_trainer_steps_compile_once():
     assert state.compiled and state.calls == 4
     assert state.graph.calls == 4 and state.graph.fallbacks == 0
     assert state.graphs_compiled >= 1 and state.graphs_after_first_call == 0
-    assert len(state.pool.caches) == 1
+    assert state.pool.built == 4 and not state.pool.caches, "the cache is released after every round"
+    assert state.merged_layers > 0 and state.merged.refreshes == 4 and state.merged.flat is None
     assert _counts()[1] == skips0, "no CUDA-graph skip"
 
 
@@ -764,18 +778,26 @@ def test_graph_loop_resets_the_pooled_cache_once_per_call(monkeypatch):
     resets = _count_resets(monkeypatch)
     counting = Counting()
     trainer = make_trainer(VARIED, max_steps=3, max_completion_length=8)
-    state = enable_fast_generation(trainer, graph_config(counting))
+    state = enable_fast_generation(trainer, graph_config(counting, release_after_sampling=False))
     trainer.train()
     assert state.graph.calls == 3 and state.graph.fallbacks == 0
     # a new cache is built, not reset, at the first call: one reset at each later call
     assert len(resets) == 2 and all(c is resets[0] for c in resets), len(resets)
+    assert state.pool.built == 1
     model = lora_policy()
     ids, mask = batch([5, 9, 7, 3])
     del resets[:]
     for _ in range(3):
-        assert torch.equal(fast_generate(model, ids, mask, generation_config=greedy(), config=graph_config(counting)),
+        assert torch.equal(fast_generate(model, ids, mask, generation_config=greedy(),
+                                         config=graph_config(counting, release_after_sampling=False)),
                            eager_generate(model, ids, mask))
     assert len(resets) == 2
+    # released after every call (the default): built anew each time, never reset
+    del resets[:]
+    released = make_trainer(VARIED, max_steps=3, max_completion_length=8)
+    state = enable_fast_generation(released, graph_config(counting))
+    released.train()
+    assert state.pool.built == 3 and resets == [] and not state.pool.caches
 
 
 def test_graph_loop_without_cache_reuse_builds_a_cache_per_call(monkeypatch):
@@ -811,3 +833,144 @@ def test_graph_loop_leaves_a_call_with_its_own_cache_to_transformers():
     assert generation.GRAPH_STATS.fallbacks == fallbacks + 1 and generation.GRAPH_STATS.calls == calls
     assert torch.equal(fast, eager_generate(model, ids, mask))
     assert own.get_seq_length() > 0, "transformers' loop decoded into the caller's cache"
+
+
+# merged LoRA weights in a separate buffer (merge_lora) ---------------------------------------------
+
+
+def _lora_a_calls(model):
+    """Count forward calls of every lora_A module (the unmerged adapter path)."""
+    calls = []
+    handles = [m.register_forward_hook(lambda *_: calls.append(1)) for n, m in model.named_modules()
+               if n.endswith("lora_A.default")]
+    return calls, handles
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+def test_merged_buffer_samples_the_adapter_without_its_matmuls_and_never_writes_the_base(dtype):
+    from grpo_patches.generation import mergeable_layers
+
+    model = lora_policy(dtype=dtype)
+    ids, mask = batch([5, 9, 7, 3])
+    snapshot = {n: p.detach().clone() for n, p in model.named_parameters()}
+    eager = eager_generate(model, ids, mask)  # PEFT's unmerged path
+    counting = Counting()
+    calls, handles = _lora_a_calls(model)
+    merged = fast_generate(model, ids, mask, generation_config=greedy(), config=counting.config())
+    merged_calls = len(calls)
+    unmerged = fast_generate(model, ids, mask, generation_config=greedy(), config=counting.config(merge_lora=False))
+    for h in handles:
+        h.remove()
+    assert torch.equal(merged, eager) and torch.equal(unmerged, eager)
+    assert merged_calls == 0, "sampled from the buffer: no adapter matmul ran"
+    assert len(calls) > 0, "meaningful: the unmerged path does run the adapter's matmuls"
+    assert len(mergeable_layers(model)) == 2 * len(ALL_PROJ)
+    params = dict(model.named_parameters())
+    assert all(torch.equal(params[n], p) for n, p in snapshot.items()), "base and adapter bit-identical"
+    assert all(p is params[n] for n, p in model.named_parameters())
+    assert not any(m.merged for m in model.modules() if hasattr(m, "merged_adapters")), "PEFT's flags restored"
+    # meaningful: the adapter changes the tokens, so a buffer without the delta would fail above
+    with model.disable_adapter():
+        assert not torch.equal(eager_generate(model, ids, mask), eager)
+
+
+def test_merged_buffer_is_refreshed_at_every_call_and_reused_without_release():
+    from grpo_patches import generation as gen
+
+    model = lora_policy()
+    ids, mask = batch([5, 9, 7, 3])
+    counting = Counting()
+    config = counting.config(release_after_sampling=False)
+    first = fast_generate(model, ids, mask, generation_config=greedy(), config=config)
+    buffer = gen._MERGED[model]
+    address = buffer.flat.data_ptr()
+    with torch.no_grad():  # an in-place change of the adapter, as an optimizer step makes
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.mul_(-1.0)
+    second = fast_generate(model, ids, mask, generation_config=greedy(), config=config)
+    assert torch.equal(second, eager_generate(model, ids, mask)) and not torch.equal(first, second)
+    assert buffer.refreshes == 2 and buffer.allocations == 1 and buffer.flat.data_ptr() == address
+    released = counting.config()  # the default frees the buffer after the call
+    fast_generate(model, ids, mask, generation_config=greedy(), config=released)
+    assert buffer.flat is None and buffer.allocations == 1
+    again = fast_generate(model, ids, mask, generation_config=greedy(), config=released)
+    assert buffer.flat is None and buffer.allocations == 2 and buffer.refreshes == 4 and torch.equal(again, second)
+
+
+def test_merged_buffer_is_not_used_where_dropout_is_live():
+    """dropout_off_while_sampling=False samples in training mode: merging would drop the LoRA dropout."""
+    from grpo_patches.generation import mergeable_layers
+
+    model = lora_policy(dropout=0.5)
+    model.train()
+    assert mergeable_layers(model) == []
+    model.eval()
+    assert len(mergeable_layers(model)) == 2 * len(ALL_PROJ)
+    model.train()
+    calls, handles = _lora_a_calls(model)
+    ids, mask = batch([5, 9])
+    fast_generate(model, ids, mask, generation_config=greedy(), config=Counting().config(dropout_off_while_sampling=False))
+    for h in handles:
+        h.remove()
+    assert calls, "the adapter (and its dropout) ran unmerged"
+
+
+@pytest.mark.parametrize("name", ["pad_prompts", "dropout_off_while_sampling", "compile", "force_compile", "fullgraph",
+                                  "reuse_cache", "record_sampling_logprobs", "merge_lora", "release_after_sampling"])
+def test_config_bool_fields_refuse_non_bools_naming_field_value_and_fix(name):
+    for bad in ("no", 0, 1, None):
+        with pytest.raises(TypeError) as err:
+            FastGenerationConfig(**{name: bad})
+        text = str(err.value)
+        assert f"{name}={bad!r}" in text and f"{name}=False" in text, text
+    with pytest.raises(TypeError, match=name):  # through apply()'s dict form too
+        FastGenerationConfig.coerce({name: "no"})
+    assert getattr(FastGenerationConfig(**{name: False}), name) is False
+
+
+def test_config_other_fields_are_type_checked():
+    with pytest.raises(TypeError, match=r"dropout_of_while_sampling.*Did you mean dropout_off_while_sampling"):
+        FastGenerationConfig.coerce({"dropout_of_while_sampling": False})
+    for field, bad in (("mode", 3), ("dynamic", "no"), ("options", "x"), ("backend", 3)):
+        with pytest.raises(TypeError, match=f"{field}={bad!r}"):
+            FastGenerationConfig(**{field: bad})
+    for field, bad in (("bucket", "64"), ("check_every", True), ("max_prompt_length", 0), ("decode_loop", None)):
+        with pytest.raises(ValueError, match=field):
+            FastGenerationConfig(**{field: bad})
+
+
+def test_merged_buffer_that_does_not_fit_samples_unmerged_with_one_warning(monkeypatch):
+    from grpo_patches.generation import MergedLoRAWeights
+
+    model = lora_policy()
+    ids, mask = batch([5, 9, 7, 3])
+
+    def no_memory(self, layers):
+        raise torch.OutOfMemoryError("simulated: no room for the buffer")
+
+    monkeypatch.setattr(MergedLoRAWeights, "_allocate", no_memory)
+    calls, handles = _lora_a_calls(model)
+    counting = Counting()
+    with pytest.warns(RuntimeWarning, match="merged LoRA buffer"):
+        out = fast_generate(model, ids, mask, generation_config=greedy(), config=counting.config())
+    for h in handles:
+        h.remove()
+    buffer = generation._MERGED[model]
+    assert torch.equal(out, eager_generate(model, ids, mask)) and calls, "sampled correctly, unmerged"
+    assert buffer.skipped == 1 and buffer.flat is None and buffer.allocations == 0
+
+
+def test_merged_buffer_leaves_layers_of_another_dtype_on_peft_path():
+    """One flat buffer holds one dtype: a layer in another dtype keeps PEFT's own (unmerged) path."""
+    model = lora_policy()
+    odd = next(m for n, m in model.named_modules() if n.endswith("layers.1.mlp.down_proj"))
+    odd.get_base_layer().to(torch.float64)
+    weight = odd.get_base_layer().weight
+    with sampling_mode(model):
+        others = [m for m, _ in generation.mergeable_layers(model) if m is not odd]
+        with generation.MergedLoRAWeights().applied(model) as merged:
+            assert merged == len(others) == 2 * len(ALL_PROJ) - 1
+            assert not odd.merged and odd.get_base_layer().weight is weight
+            assert all(m.merged for m in others)
+    assert not any(m.merged for m in others)

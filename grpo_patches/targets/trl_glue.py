@@ -17,10 +17,10 @@ import torch
 from torch import nn
 
 from ..collectives import FailFastGroup
-from ..generation import enable_fast_generation
 from ..grouping import RankLocalGroupSampler, check_group_shape
 from ..options import PatchOptions, active
 from ..rewards import RewardBatch, Scored, chunk_slices, compute_rewards, reward_column, validate_chunk_size
+from .trl_generation import enable_fast_generation
 
 STATE_ATTR = "_grpo_patches"
 UNSCORED_KEYS = ("prompt", "completion", "completion_ids")

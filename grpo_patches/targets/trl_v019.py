@@ -23,8 +23,8 @@ from typing import Any
 
 from packaging.specifiers import SpecifierSet
 
-from ..generation import wrap_generate
 from . import Adapter
+from .trl_generation import wrap_generate
 from .trl_glue import STATE_ATTR, GroupShape, init_wrapper, sampler_wrapper, trl_layout_rewards
 
 
