@@ -36,16 +36,6 @@ from .trl_glue import STATE_ATTR, TrainerPatchState, main_only_reward_funcs
 __all__ = ["ADAPTER"]
 
 
-def _world_size(accelerator: Any) -> tuple[int, bool]:
-    """(number of processes, whether this one is the main one), without building an Accelerator."""
-    if accelerator is not None:
-        return accelerator.num_processes, accelerator.is_main_process
-    from accelerate import PartialState
-
-    state = PartialState()
-    return state.num_processes, state.is_main_process
-
-
 def check_shape(per_device_batch_size: int, num_generations: int, world_size: int, chunk_size: int | None) -> None:
     """Each rank must generate whole groups per step; a reward chunk must hold whole groups."""
     try:
@@ -75,7 +65,12 @@ def wrap_init(wrapped, instance, args, kwargs):
     bound = inspect.signature(wrapped).bind(*args, **kwargs)
     config = bound.arguments.get("config") or DSMGRPOConfig()
     bound.arguments["config"] = config
-    world_size, is_main = _world_size(bound.arguments.get("accelerator"))
+    if bound.arguments.get("accelerator") is None:  # the one the trainer would build, built here to read the world
+        from accelerate import Accelerator
+
+        bound.arguments["accelerator"] = Accelerator()
+    accelerator = bound.arguments["accelerator"]
+    world_size, is_main = accelerator.num_processes, accelerator.is_main_process
     check_shape(config.per_device_batch_size, config.num_generations, world_size, opts.reward_chunk_size)
     if opts.reward_placement == "main":
         bound.arguments["reward_funcs"] = main_only_reward_funcs(bound.arguments["reward_funcs"], is_main)
