@@ -2,9 +2,9 @@
 
 Each rank writes ``OUTDIR/rank<r>.json``; the pytest side (test_dsm_distributed.py) asserts on them.
 Scenarios: ``shape`` (split groups, reward model placement, advantages naive vs patched, coverage),
-``naive_fault`` (a reward error on rank 1, unpatched), ``faults PLACEMENT`` (raise / wrong length /
-NaN, patched, one after another in the same processes), ``hang`` and ``die`` (patched, rank 1),
-``learn`` (patched training on the demo task).
+``naive_fault`` (a reward error on rank 1, unpatched), ``faults PLACEMENT LAST`` (raise / wrong
+length / NaN, patched, one after another in the same processes, then LAST: hang / die),
+``learn STEPS`` (patched training on the demo task).
 """
 
 from __future__ import annotations
@@ -164,11 +164,12 @@ def scenario_naive_fault(data):
     trainer.train(list(prompt_dataset(16)), steps=1)
 
 
-def scenario_faults(data, placement):
-    """raise / wronglen / nan on the scoring rank, one after another, with one patched trainer."""
-    grpo_patches.apply(reward_placement=placement, reward_timeout=5.0)
+def scenario_faults(data, placement, last):
+    """raise / wronglen / nan on the scoring rank, one after another, with one patched trainer; then
+    ``last`` (hang / die), after which the processes cannot go on together."""
+    grpo_patches.apply(reward_placement=placement, reward_timeout=3.0)
     trainer = build([recording_reward, flaky_reward])
-    bad = 1 if placement == "local" else 0
+    bad = 1 if placement == "local" else 0  # under "main" rank 0 runs every reward function
     dataset = list(prompt_dataset(16))
     data["cases"] = {}
     for kind in ("raise", "wronglen", "nan", None):
@@ -180,14 +181,9 @@ def scenario_faults(data, placement):
         except Exception as exc:
             outcome = f"{type(exc).__name__}: {exc}"
         data["cases"][str(kind)] = {"error": outcome, "seconds": time.monotonic() - t0}
-
-
-def scenario_stuck(data, kind):
-    grpo_patches.apply(reward_timeout=3.0)
-    trainer = build([recording_reward, flaky_reward])
-    FAULT.update(kind=kind, rank=1)
+    FAULT.update(kind=last, rank=bad)
     data["t0"] = time.monotonic()
-    trainer.train(list(prompt_dataset(16)), steps=1)
+    trainer.train(dataset, steps=1)
 
 
 def scenario_learn(data, steps):
@@ -215,9 +211,7 @@ def main() -> int:
         elif scenario == "naive_fault":
             scenario_naive_fault(data)
         elif scenario == "faults":
-            scenario_faults(data, args[0])
-        elif scenario in ("hang", "die"):
-            scenario_stuck(data, scenario)
+            scenario_faults(data, args[0], args[1])
         elif scenario == "learn":
             scenario_learn(data, int(args[0]))
     except BaseException as exc:  # noqa: BLE001 - reported to the test
