@@ -213,3 +213,22 @@ def test_unpatched_trainer_learns_the_demo_task_in_one_process():
     history = [h["reward_mean"] for h in trainer.train(list(prompt_dataset(64)), steps=15)]
     first, last = sum(history[:3]) / 3, sum(history[-3:]) / 3
     assert last - first >= 0.4, history
+
+
+def test_targets_pick_the_trainers_to_patch():
+    from trl import GRPOTrainer
+
+    def wrapped(cls):
+        return hasattr(cls.__dict__["__init__"], "__wrapped__")
+
+    assert grpo_patches.apply(targets=("vendored",)) and wrapped(DSMGRPOTrainer) and not wrapped(GRPOTrainer)
+    with pytest.raises(ValueError, match=r"differ from the patched ones; call grpo_patches.revert\(\) first"):
+        grpo_patches.apply(targets=("trl", "vendored"))
+    grpo_patches.revert()
+    assert grpo_patches.apply(targets=("trl",)) and wrapped(GRPOTrainer) and not wrapped(DSMGRPOTrainer)
+    grpo_patches.revert()
+    assert grpo_patches.apply() and wrapped(GRPOTrainer) and wrapped(DSMGRPOTrainer)  # both by default
+    grpo_patches.revert()
+    with pytest.raises(ValueError, match=r"targets=\('dsm',\); expected a non-empty tuple of \('trl', 'vendored'\)"):
+        grpo_patches.apply(targets=("dsm",))
+    assert not grpo_patches.is_applied()
