@@ -1,7 +1,7 @@
 """The vendored DeepSeekMath-style GRPO trainer with the kit, 2 processes on CPU (gloo), in a few minutes.
 
     python examples/vendored_grpo.py [--steps 30] [--world-size 2] [--placement main|local]
-                                     [--per-device-batch-size 16] [--unpatched] [--out vendored_output]
+                                     [--per-device-batch-size 16] [--unpatched] [--out demo_output/vendored]
 
 The policy is a random-init tiny Llama with LoRA and a word-level tokenizer built here (no hub);
 the reward is the share of the word "a" in the completion. ``grpo_patches.apply()`` replaces the
@@ -69,7 +69,7 @@ def main() -> int:
     parser.add_argument("--placement", default="main", choices=["main", "local"])
     parser.add_argument("--per-device-batch-size", type=int, default=16)
     parser.add_argument("--unpatched", action="store_true", help="run the trainer as vendored, without the kit")
-    parser.add_argument("--out", default=str(ROOT / "vendored_output"))
+    parser.add_argument("--out", default=str(ROOT / "demo_output" / "vendored"))
     args = parser.parse_args()
     if "RANK" not in os.environ:
         print(f"vendored DeepSeekMath-style GRPO: {args.world_size} ranks on CPU (gloo), {args.steps} steps, "
@@ -91,13 +91,18 @@ def main() -> int:
     from grpo_patches.vendored.dsm_grpo import DSMGRPOConfig, DSMGRPOTrainer
 
     if not args.unpatched:
-        grpo_patches.apply(reward_placement=args.placement, reward_chunk_size=2 * G)
+        grpo_patches.apply(reward_placement=args.placement, reward_chunk_size=2 * G, targets=("vendored",))
     torch.manual_seed(0)
     model = get_peft_model(tiny_policy(initializer_range=0.3), lora(r=8))
     config = DSMGRPOConfig(num_generations=G, max_new_tokens=8, learning_rate=1e-2,
                            per_device_batch_size=args.per_device_batch_size, seed=0)
     # the kit checks the shape here, before anything is built; cpu=True: gloo processes on CPU
-    trainer = DSMGRPOTrainer(model, tiny_tokenizer(), share_of_a, config, accelerator=Accelerator(cpu=True))
+    try:
+        trainer = DSMGRPOTrainer(model, tiny_tokenizer(), share_of_a, config, accelerator=Accelerator(cpu=True))
+    except grpo_patches.GroupShapeError as exc:  # every rank refuses the same shape, before any step
+        if os.environ["RANK"] == "0":
+            print(exc, flush=True)
+        os._exit(2)  # torch 2.13 + gloo can hang at interpreter exit with the group alive (FACTS.md)
     rank, is_main = trainer.accelerator.process_index, trainer.accelerator.is_main_process
     torch.manual_seed(rank)  # each rank samples its own completions
 
