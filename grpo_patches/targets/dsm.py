@@ -60,7 +60,7 @@ def wrap_init(wrapped, instance, args, kwargs):
     opts = _options.active()
     if opts is None:
         return wrapped(*args, **kwargs)
-    from ..vendored.dsm_grpo import DSMGRPOConfig
+    from ..vendored.dsm_grpo import DSMGRPOConfig, DSMGRPOTrainer
 
     bound = inspect.signature(wrapped).bind(*args, **kwargs)
     config = bound.arguments.get("config") or DSMGRPOConfig()
@@ -72,9 +72,12 @@ def wrap_init(wrapped, instance, args, kwargs):
     accelerator = bound.arguments["accelerator"]
     world_size, is_main = accelerator.num_processes, accelerator.is_main_process
     check_shape(config.per_device_batch_size, config.num_generations, world_size, opts.reward_chunk_size)
+    funcs = bound.arguments["reward_funcs"]
     if opts.reward_placement == "main":
-        bound.arguments["reward_funcs"] = main_only_reward_funcs(bound.arguments["reward_funcs"], is_main)
+        bound.arguments["reward_funcs"] = main_only_reward_funcs(funcs, is_main)
     wrapped(*bound.args, **bound.kwargs)
+    if opts.reward_placement == "main":  # every rank names the functions as the main process does
+        instance.reward_func_names = DSMGRPOTrainer.reward_names(funcs)
     setattr(instance, STATE_ATTR, TrainerPatchState(opts, FailFastGroup(opts.collective_timeout)))
     if opts.fast_generation is not None:
         setattr(instance, FAST_GEN_ATTR, FastGenerationState(opts.fast_generation))

@@ -109,12 +109,6 @@ class Rollout:
     advantages: torch.Tensor  # this rank's, (n,)
 
 
-def _name_of(func: Any) -> str:
-    if isinstance(func, nn.Module):
-        return (getattr(getattr(func, "config", None), "_name_or_path", "") or type(func).__name__).split("/")[-1]
-    return getattr(func, "__name__", type(func).__name__)
-
-
 class DSMGRPOTrainer:
     """GRPO on a causal LM over ``accelerate``'s processes (one process works too).
 
@@ -136,7 +130,7 @@ class DSMGRPOTrainer:
         self.config = config = config or DSMGRPOConfig()
         funcs = list(reward_funcs) if isinstance(reward_funcs, list | tuple) else [reward_funcs]
         self.reward_funcs = funcs
-        self.reward_func_names = [_name_of(f) for f in funcs]
+        self.reward_func_names = self.reward_names(funcs)
         self.reward_tokenizers = list(reward_tokenizers or [tokenizer] * len(funcs))
         for func in funcs:
             if isinstance(func, nn.Module):
@@ -158,6 +152,13 @@ class DSMGRPOTrainer:
             top_p=config.top_p, top_k=config.top_k, pad_token_id=tokenizer.pad_token_id,
             eos_token_id=tokenizer.eos_token_id)
         self.model.train()
+
+    @staticmethod
+    def reward_names(reward_funcs: Any) -> list[str]:
+        """A model's name (its config's ``_name_or_path``, last part) or a function's ``__name__``."""
+        funcs = list(reward_funcs) if isinstance(reward_funcs, list | tuple) else [reward_funcs]
+        return [(getattr(getattr(f, "config", None), "_name_or_path", "") or type(f).__name__).split("/")[-1]
+                if isinstance(f, nn.Module) else getattr(f, "__name__", type(f).__name__) for f in funcs]
 
     @property
     def policy(self) -> nn.Module:
