@@ -1,4 +1,5 @@
-"""The vendored DeepSeekMath-style trainer: its objective, a real step, and fast generation through apply()."""
+"""The vendored DeepSeekMath-style trainer in one process: its objective, a real step, learning on the demo task,
+and apply() on it (fast generation, shape refusal, group kwargs, targets, exact revert)."""
 
 from __future__ import annotations
 
