@@ -233,3 +233,26 @@ def test_targets_pick_the_trainers_to_patch():
     with pytest.raises(ValueError, match=r"targets=\('dsm',\); expected a non-empty tuple of \('trl', 'vendored'\)"):
         grpo_patches.apply(targets=("dsm",))
     assert not grpo_patches.is_applied()
+
+
+def test_the_vendored_target_alone_needs_no_trl():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = """
+import sys
+sys.modules["trl"] = None  # any import of trl now raises ImportError
+from tests.helpers import quiet, target_share, tiny_policy, tiny_tokenizer
+quiet()
+import grpo_patches
+from grpo_patches.vendored.dsm_grpo import DSMGRPOConfig, DSMGRPOTrainer
+assert grpo_patches.apply(targets=("vendored",), reward_placement="main")
+t = DSMGRPOTrainer(tiny_policy(), tiny_tokenizer(), target_share, DSMGRPOConfig(max_new_tokens=4))
+assert t.step(["say a", "say b"])["completion_length"] > 0
+assert isinstance(t.reward_funcs[0], type(target_share)) and hasattr(t, "_grpo_patches")
+print("vendored ok")
+"""
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=root)
+    assert out.returncode == 0 and "vendored ok" in out.stdout, out.stdout + out.stderr
