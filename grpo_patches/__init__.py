@@ -67,6 +67,7 @@ def __getattr__(name: str):
 __version__ = "0.1.0"
 
 _lock = threading.Lock()
+TARGETS = ("trl", "vendored")
 _applied: list[AppliedPatch] = []  # TRL's GRPOTrainer, then the vendored DeepSeekMath-style trainer
 
 
@@ -77,11 +78,12 @@ def apply(
     reward_timeout: float = 600.0,
     strict: bool = True,
     fast_generation: bool | dict | Any = False,
+    targets: tuple[str, ...] = TARGETS,
 ) -> bool:
     """Patch ``trl.GRPOTrainer`` in place; returns whether a patch is active afterwards.
 
-    The vendored trainer (:mod:`grpo_patches.vendored.dsm_grpo`) is patched with it: fast
-    generation is the option that applies to that single-process trainer.
+    The vendored trainer (:mod:`grpo_patches.vendored.dsm_grpo`) is patched with it, with the
+    same options.
 
     Args:
         reward_placement: ``"local"`` (each rank scores its own whole groups) or ``"main"``
@@ -94,6 +96,10 @@ def apply(
         fast_generation: compiled decoding under a static KV cache with dropout off while
             sampling (``True``, a dict of :class:`~grpo_patches.generation.FastGenerationConfig`
             fields, or such a config); on CPU it warns once and samples eagerly.
+        targets: which trainers to patch: ``"trl"`` (``trl.GRPOTrainer``) and/or ``"vendored"``
+            (the vendored DeepSeekMath-style trainer). Both by default, and then only if the
+            installed TRL is patched; ``("vendored",)`` patches the vendored trainer alone and
+            needs no TRL.
 
     Calling ``apply()`` again never wraps twice; it replaces the options for trainers built
     afterwards. Trainers built before the first ``apply()`` stay unpatched.
@@ -102,8 +108,20 @@ def apply(
 
     opts = _options.PatchOptions(reward_placement, reward_chunk_size, reward_timeout, strict,
                                  FastGenerationConfig.coerce(fast_generation))
+    chosen = tuple(targets) if isinstance(targets, list | tuple) else (targets,)
+    if not chosen or any(t not in TARGETS for t in chosen):
+        raise ValueError(f"grpo_patches.apply: targets={targets!r}; expected a non-empty tuple of {TARGETS}.")
     with _lock:
         if _applied:
+            if {"vendored" if a.adapter.key == "dsm" else "trl" for a in _applied} != set(chosen):
+                raise ValueError(f"grpo_patches.apply: targets={targets!r} differ from the patched ones; call "
+                                 f"grpo_patches.revert() first.")
+            _options.set_active(opts)
+            return True
+        from .targets.dsm import ADAPTER as DSM
+
+        if "trl" not in chosen:
+            _applied.append(patch(DSM))
             _options.set_active(opts)
             return True
         version = installed_trl_version()
@@ -117,14 +135,13 @@ def apply(
                 raise
             warnings.warn(f"{exc} Nothing was patched (strict=False).", stacklevel=2)
             return False
-        from .targets.dsm import ADAPTER as DSM
-
         _applied.append(patch(adapter))
-        try:
-            _applied.append(patch(DSM))
-        except Exception:
-            unpatch(_applied.pop())
-            raise
+        if "vendored" in chosen:
+            try:
+                _applied.append(patch(DSM))
+            except Exception:
+                unpatch(_applied.pop())
+                raise
         _options.set_active(opts)
         return True
 
@@ -138,5 +155,5 @@ def revert() -> None:
 
 
 def is_applied() -> bool:
-    """Whether :func:`apply` patched the installed TRL and :func:`revert` has not undone it."""
+    """Whether :func:`apply` patched a trainer (TRL's, the vendored one) and :func:`revert` has not undone it."""
     return bool(_applied)

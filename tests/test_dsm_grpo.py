@@ -1,4 +1,5 @@
-"""The vendored DeepSeekMath-style trainer: its objective, a real step, and fast generation through apply()."""
+"""The vendored DeepSeekMath-style trainer in one process: its objective, a real step, learning on the demo task,
+and apply() on it (fast generation, shape refusal, group kwargs, targets, exact revert)."""
 
 from __future__ import annotations
 
@@ -139,13 +140,119 @@ def test_apply_fast_generation_samples_through_the_compiled_graph_loop():
     assert not hasattr(unpatched, FAST_GEN_ATTR)
 
 
+PATCHED = ("__init__", "create_groups", "compute_rewards", "sample")
+
+
 def test_revert_restores_the_vendored_trainer():
-    before = {name: DSMGRPOTrainer.__dict__[name] for name in ("__init__", "sample")}
+    before = {name: DSMGRPOTrainer.__dict__[name] for name in PATCHED}
     grpo_patches.apply(fast_generation=True)
-    assert DSMGRPOTrainer.__dict__["sample"].__wrapped__ is before["sample"]
+    wrapped = {name: DSMGRPOTrainer.__dict__[name] for name in PATCHED}
+    assert all(wrapped[name].__wrapped__ is before[name] for name in PATCHED)
+    grpo_patches.apply(reward_placement="main")  # a second apply() wraps nothing twice
+    assert all(DSMGRPOTrainer.__dict__[name] is wrapped[name] for name in PATCHED)
     grpo_patches.revert()
+    assert all(DSMGRPOTrainer.__dict__[name] is fn for name, fn in before.items())
+    grpo_patches.revert()  # twice: a no-op
     assert all(DSMGRPOTrainer.__dict__[name] is fn for name, fn in before.items())
     grpo_patches.apply()  # without fast_generation the wrapper passes through
     trainer = make_trainer()
     assert not hasattr(trainer, FAST_GEN_ATTR)
     assert trainer.step(PROMPTS)["completion_length"] > 0
+
+
+def test_adapter_matches_the_vendored_source():
+    from grpo_patches.targets.dsm import ADAPTER
+
+    assert ADAPTER.check() == []
+
+
+def test_shape_refused_at_construction_only_when_patched_and_trainers_built_before_stay_unpatched():
+    before = make_trainer(per_device_batch_size=6)  # unpatched: the global batch (6) is checked in train()
+    with pytest.raises(ValueError, match="per_device_batch_size=6 x 1 processes is not a multiple"):
+        next(before.create_groups(16))
+    grpo_patches.apply()
+    with pytest.raises(grpo_patches.GroupShapeError, match=r"Nearest valid settings: per_device_batch_size=4 or 8"):
+        make_trainer(per_device_batch_size=6)
+    with pytest.raises(ValueError, match="reward_chunk_size=6 is not a multiple of num_generations=4"):
+        grpo_patches.apply(reward_chunk_size=6)
+        make_trainer()
+    grpo_patches.apply()
+    ok = make_trainer(per_device_batch_size=8)
+    assert next(ok.create_groups(16)) == next(make_trainer(per_device_batch_size=8).create_groups(16))
+    with pytest.raises(ValueError, match="per_device_batch_size=6 x 1 processes"):  # still the unpatched sampler
+        next(before.create_groups(16))
+
+
+def test_patched_reward_functions_get_whole_group_kwargs_in_bounded_chunks():
+    calls = []
+
+    def listwise(completions, num_generations, group_ids, **kwargs):
+        calls.append((len(completions), num_generations, group_ids))
+        return [float(i == 0) for i in range(len(completions))]  # one winner per call
+
+    grpo_patches.apply(reward_chunk_size=4)
+    trainer = make_trainer()
+    trainer.reward_funcs, trainer.reward_func_names = [listwise], ["listwise"]
+    ro = trainer.rollout([p for p in PROMPTS[:2] for _ in range(4)])
+    assert calls == [(4, 4, [0, 0, 0, 0]), (4, 4, [1, 1, 1, 1])]
+    assert ro.rewards.tolist() == [1.0, 0, 0, 0, 1.0, 0, 0, 0]
+
+
+def test_unpatched_trainer_learns_the_demo_task_in_one_process():
+    from peft import get_peft_model
+
+    from examples.vendored_grpo import share_of_a
+    from tests.helpers import lora, prompt_dataset
+
+    torch.manual_seed(0)
+    model = get_peft_model(tiny_policy(initializer_range=0.3), lora(r=8))
+    trainer = DSMGRPOTrainer(model, tiny_tokenizer(), share_of_a,
+                             DSMGRPOConfig(num_generations=8, max_new_tokens=8, learning_rate=1e-2,
+                                           per_device_batch_size=16, seed=0))
+    assert trainer.accelerator.num_processes == 1 and trainer.model is model  # nothing wrapped in one process
+    torch.manual_seed(0)
+    history = [h["reward_mean"] for h in trainer.train(list(prompt_dataset(64)), steps=15)]
+    first, last = sum(history[:3]) / 3, sum(history[-3:]) / 3
+    assert last - first >= 0.4, history
+
+
+def test_targets_pick_the_trainers_to_patch():
+    from trl import GRPOTrainer
+
+    def wrapped(cls):
+        return hasattr(cls.__dict__["__init__"], "__wrapped__")
+
+    assert grpo_patches.apply(targets=("vendored",)) and wrapped(DSMGRPOTrainer) and not wrapped(GRPOTrainer)
+    with pytest.raises(ValueError, match=r"differ from the patched ones; call grpo_patches.revert\(\) first"):
+        grpo_patches.apply(targets=("trl", "vendored"))
+    grpo_patches.revert()
+    assert grpo_patches.apply(targets=("trl",)) and wrapped(GRPOTrainer) and not wrapped(DSMGRPOTrainer)
+    grpo_patches.revert()
+    assert grpo_patches.apply() and wrapped(GRPOTrainer) and wrapped(DSMGRPOTrainer)  # both by default
+    grpo_patches.revert()
+    with pytest.raises(ValueError, match=r"targets=\('dsm',\); expected a non-empty tuple of \('trl', 'vendored'\)"):
+        grpo_patches.apply(targets=("dsm",))
+    assert not grpo_patches.is_applied()
+
+
+def test_the_vendored_target_alone_needs_no_trl():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = """
+import sys
+sys.modules["trl"] = None  # any import of trl now raises ImportError
+from tests.helpers import quiet, target_share, tiny_policy, tiny_tokenizer
+quiet()
+import grpo_patches
+from grpo_patches.vendored.dsm_grpo import DSMGRPOConfig, DSMGRPOTrainer
+assert grpo_patches.apply(targets=("vendored",), reward_placement="main")
+t = DSMGRPOTrainer(tiny_policy(), tiny_tokenizer(), target_share, DSMGRPOConfig(max_new_tokens=4))
+assert t.step(["say a", "say b"])["completion_length"] > 0
+assert isinstance(t.reward_funcs[0], type(target_share)) and hasattr(t, "_grpo_patches")
+print("vendored ok")
+"""
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=root)
+    assert out.returncode == 0 and "vendored ok" in out.stdout, out.stdout + out.stderr
