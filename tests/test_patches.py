@@ -1,0 +1,107 @@
+"""patches/*.patch: fresh (equal to a new generation), applying exactly to their releases, and made by a
+bundler that follows import edges and refuses what a fork could not run."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from grpo_patches import compat, patchgen
+
+TARGETS = patchgen.targets()
+
+
+def test_one_patch_per_patched_release_and_the_vendored_trainer():
+    releases = {t.release for t in TARGETS}
+    free = set(compat.table().get("grpo_free", []))
+    assert releases == (set(compat.table()["supported"]) - free) | {"vendored"}
+    assert sorted(p.name for p in patchgen.PATCHES.glob("*.patch")) == sorted(t.patch_path.name for t in TARGETS)
+
+
+@pytest.mark.parametrize("target", TARGETS, ids=lambda t: t.name)
+def test_checked_in_patch_is_fresh_and_applies_exactly(target):
+    text = patchgen.generate(target)
+    assert target.patch_path.read_text() == text, (
+        f"{target.patch_path.name} differs from a fresh generation: run `grpo-patches make-patches`")
+    result = patchgen.check_patch(target)
+    assert result.ok, result.detail
+
+
+def test_the_check_refuses_an_offset_that_git_apply_accepts(tmp_path):
+    target = TARGETS[-2]  # the newest TRL release
+    tree = patchgen.unpack_release(target, tmp_path / "tree")
+    trainer = tree / target.trainer_file
+    trainer.write_text("# one line more at the top\n" + trainer.read_text())
+    env = {"GIT_CEILING_DIRECTORIES": str(tmp_path)}
+    git = subprocess.run(["git", "apply", "--check", str(target.patch_path)], cwd=tree, capture_output=True,
+                         env=env)
+    assert git.returncode == 0, "git apply moves a hunk to a nearby offset silently"
+    problems = patchgen.exact_hunk_problems(target.patch_path.read_text(), tree)
+    assert problems == [f"{target.trainer_file}: the hunk at line "
+                        f"{len(trainer.read_text().splitlines()) - 3} does not match the release's text there"]
+
+
+def test_the_check_refuses_a_hand_edited_patch(tmp_path):
+    target = TARGETS[0]
+    edited = tmp_path / target.patch_path.name
+    lines = target.patch_path.read_text().splitlines(keepends=True)
+    hunk = lines.index(next(x for x in lines if x.startswith("@@ -") and not x.startswith("@@ -0,0")))
+    lines[hunk + 1] = lines[hunk + 1].rstrip("\n") + "  # hand edit\n"  # a context line no release has
+    edited.write_text("".join(lines))
+    result = patchgen.check_patch(target, edited)
+    assert not result.ok and "does not match" in result.detail
+
+
+def _package(root, files):
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root
+
+
+def test_bundle_follows_relative_imports_at_any_depth(tmp_path):
+    pkg = _package(tmp_path / "kit", {
+        "__init__.py": "import wrapt\n",  # the package's own __init__ is never bundled
+        "a.py": "from .b import x\n\ndef f():\n    from .sub import d\n",
+        "b.py": "x = 1\n",
+        "unused.py": "import grpo_patches\n",
+        "sub/__init__.py": "",
+        "sub/d.py": "from .. import c\nfrom ..b import x\nimport torch\n",
+        "c.py": "",
+    })
+    assert patchgen.bundle_modules("a", pkg) == ["a", "b", "c", "sub", "sub.d"]
+
+
+@pytest.mark.parametrize("source, complaint", [
+    ("import grpo_patches.rewards\n", "imports grpo_patches.rewards"),
+    ("from grpo_patches import apply\n", "imports from grpo_patches"),
+    ("import wrapt\n", "imports wrapt"),
+    ("def f():\n    import wrapt\n", "imports wrapt"),
+    ("from . import apply\n", "imports 'apply' from kit/__init__.py"),
+    ("from .missing import y\n", "no such module"),
+])
+def test_bundle_refuses_what_a_fork_cannot_run(tmp_path, source, complaint):
+    pkg = _package(tmp_path / "kit", {"__init__.py": "", "a.py": "from . import b\n", "b.py": source})
+    with pytest.raises(patchgen.BundleError, match=complaint):
+        patchgen.bundle_modules("a", pkg)
+
+
+def test_settings_are_apply_options_with_apply_defaults():
+    import inspect
+
+    import grpo_patches
+
+    params = inspect.signature(grpo_patches.apply).parameters
+    for target in (TARGETS[0], TARGETS[-2]):
+        found = patchgen.settings(patchgen.bundle_modules(target.adapter_module))
+        assert [s.name for s in found] == [n for n in params if n != "strict"]
+        assert all(s.default == params[s.name].default and s.help for s in found)
+    dsm = patchgen.settings(patchgen.bundle_modules(TARGETS[-1].adapter_module))
+    assert [s.name for s in dsm] == ["fast_generation"]  # all the vendored adapter reads
+
+
+def test_an_unknown_release_is_refused_with_the_choices():
+    with pytest.raises(ValueError, match="no patch for release '9.9.9'.*grpo-patches versions"):
+        patchgen.targets("9.9.9")
