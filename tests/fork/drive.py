@@ -86,11 +86,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scenario", default="invariants")
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--deadline", type=float, default=400.0)
+    parser.add_argument("--apply-only", action="store_true", help="apply --patch and stop")
     args = parser.parse_args(argv)
     if args.mode == "fork":
         if args.patch is None:
             parser.error("fork mode needs --patch")
         print(apply_patch(args.patch), flush=True)
+        if args.apply_only:
+            return 0
     t0 = time.monotonic()
     results = launch(args.scenario, args.mode, args.world_size, args.deadline)
     failures = invariant_failures(results)
