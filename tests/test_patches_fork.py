@@ -83,6 +83,11 @@ def test_apply_options_are_grpo_config_fields(target, tmp_path_factory):
     reward_site = "_prepare_inputs" if target.adapter_attr == "V015" else "_calculate_rewards"
     assert {"__init__", "_get_train_sampler", reward_site} <= set(got["wrapped"])
     assert "reward_placement='nowhere'" in got["bad_setting"] and "'local'" in got["bad_setting"]
+    if target.adapter_attr == "V015":
+        assert "_generate_single_turn" in got["fast_generation"]  # refused before 0.29, as apply() does
+    else:
+        assert got["fast_generation"] is True
+    assert got["wrapt_imported"] is False
 
 
 def test_patched_vendored_trainer_behaves_like_the_monkeypatch(tmp_path, tmp_path_factory):

@@ -38,6 +38,14 @@ def main() -> None:
         out["bad_setting"] = None
     except ValueError as exc:
         out["bad_setting"] = str(exc)
+    try:  # fast generation needs _generate_single_turn (TRL 0.29+); in a fork it must not need wrapt
+        trainer = GRPOTrainer(model=helpers.tiny_policy(), reward_funcs=[helpers.target_share],
+                              args=helpers.grpo_args(fast_generation=True), train_dataset=helpers.prompt_dataset(8),
+                              processing_class=helpers.tiny_tokenizer(), peft_config=helpers.lora())
+        out["fast_generation"] = hasattr(trainer, "_grpo_patches_fast_generation")
+    except ValueError as exc:
+        out["fast_generation"] = str(exc)
+    out["wrapt_imported"] = "wrapt" in sys.modules
     print(json.dumps(out))
 
 
