@@ -497,11 +497,33 @@ def _diff(path: str, old: str | None, new: str) -> str:
     return "".join(head + body)
 
 
+def _check_shim_contract(target: Target) -> None:
+    """What the generated ``install`` relies on must exist in the kit now, or generation fails here
+    (not at a fork's import time)."""
+    import importlib
+
+    from . import options
+
+    missing = [f"options.{n}" for n in ("PatchOptions", "active", "set_active") if not hasattr(options, n)]
+    adapter = getattr(importlib.import_module(f"grpo_patches.{target.adapter_module}"), target.adapter_attr)
+    missing += [f"Adapter.{n}" for n in ("wrappers", "optional") if not hasattr(adapter, n)]
+    for name, (module, func) in CONVERT.items():
+        obj = importlib.import_module(f"grpo_patches.{module}")
+        for part in func.split("."):
+            obj = getattr(obj, part, None)
+        if obj is None:
+            missing.append(f"{module}.{func} (converts {name})")
+    if missing:
+        raise BundleError(f"the fork's install shim needs {', '.join(missing)}, which the kit no longer has; "
+                          f"update grpo_patches/patchgen.py")
+
+
 def generate(target: Target, sources: dict[str, str] | None = None) -> str:
     """The text of ``target``'s patch file."""
     from . import __version__
 
     sources = sources if sources is not None else source_files(target)
+    _check_shim_contract(target)
     modules = bundle_modules(target.adapter_module)
     found = settings(modules)
     edited = _edits(target, sources, found)

@@ -51,3 +51,14 @@ def invariant_failures(results: list) -> list[str]:
     if sorted(main_rows) != sorted(own_rows):  # rank 0 scored every rank's completions, each once
         bad.append(f"main: rank 0 scored rows {sorted(main_rows)}, the ranks hold {sorted(own_rows)}")
     return bad
+
+
+def failures_of(scenario: str, results: list) -> list[str]:
+    """The check for a scenario: ``invariants`` here, or for ``module:function`` the module's
+    ``check_<function>(results) -> list[str]``."""
+    if ":" not in scenario:
+        return {"invariants": invariant_failures}[scenario](results)
+    import importlib
+
+    module, name = scenario.split(":")
+    return getattr(importlib.import_module(module), f"check_{name}")(results)

@@ -24,7 +24,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # tests/: launch.py (stdlib only)
 sys.path.insert(0, str(HERE))
 
-from checks import invariant_failures  # noqa: E402
+import checks  # noqa: E402
 from launch import RankResult, describe, free_port  # noqa: E402
 
 
@@ -83,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--patch", type=Path, help="the fork patch to apply first (fork mode)")
     parser.add_argument("--mode", choices=("fork", "monkeypatch"), default="fork")
-    parser.add_argument("--scenario", default="invariants")
+    parser.add_argument("--scenario", default="invariants",
+                        help="a scenario of worker.py, or module:function under tests/ (checks: the same spec)")
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--deadline", type=float, default=400.0)
     parser.add_argument("--apply-only", action="store_true", help="apply --patch and stop")
@@ -96,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
     t0 = time.monotonic()
     results = launch(args.scenario, args.mode, args.world_size, args.deadline)
-    failures = invariant_failures(results)
+    failures = checks.failures_of(args.scenario, results)
     trl = results[0].data.get("trl", "?")
     print(f"{args.mode} mode, trl {trl}, {args.world_size} ranks, {time.monotonic() - t0:.0f} s: "
           + ("every invariant held" if not failures else f"{len(failures)} failure(s)"))

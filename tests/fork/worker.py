@@ -107,6 +107,15 @@ def scenario_invariants(data):
     data["wrapt_imported"] = "wrapt" in sys.modules
 
 
+def _load(spec: str):
+    """``module:function`` under tests/ (e.g. ``matrix.fork_scenario:lean``): a scenario kept elsewhere,
+    written against :mod:`kit` instead of grpo_patches."""
+    import importlib
+
+    module, name = spec.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
 def main() -> None:
     outdir, scenario, *argv = sys.argv[1:]
     data: dict = {"rank": RANK, "argv": argv, "mode": kit.MODE}
@@ -115,7 +124,7 @@ def main() -> None:
     data["trl"] = trl.__version__
     code = 0
     try:
-        globals()[f"scenario_{scenario}"](data)
+        globals()[f"scenario_{scenario}"](data) if ":" not in scenario else _load(scenario)(data)
     except Exception as exc:
         data["error"] = f"{type(exc).__name__}: {exc}"
         data["traceback"] = traceback.format_exc()[-3000:]
