@@ -91,6 +91,17 @@ class Target:
     config_class: str
 
     @property
+    def aliased(self) -> tuple[str, ...]:
+        """The adapter's target module where it lives inside the kit (the vendored trainer)."""
+        import importlib
+
+        adapter = getattr(importlib.import_module(f"grpo_patches.{self.adapter_module}"), self.adapter_attr)
+        return (adapter.module.removeprefix("grpo_patches."),) if adapter.module.startswith("grpo_patches.") else ()
+
+    def modules(self) -> list[str]:
+        return bundle_modules(self.adapter_module, aliased=self.aliased)
+
+    @property
     def patch_path(self) -> Path:
         return PATCHES / f"{self.name}.patch"
 
@@ -189,16 +200,27 @@ def _is_package(root: Path, dotted: str) -> bool:
     return f is not None and f.name == "__init__.py"
 
 
-def bundle_modules(start: str, root: Path = KIT, forbidden: Iterable[str] = FORBIDDEN) -> list[str]:
+def bundle_modules(start: str, root: Path = KIT, forbidden: Iterable[str] = FORBIDDEN,
+                   aliased: Iterable[str] = ()) -> list[str]:
     """Every module of the package at ``root`` that importing ``start`` runs, as dotted names relative
-    to ``root`` (``""`` is the package itself and is never bundled: the patch writes its own)."""
-    forbidden = tuple(forbidden)
+    to ``root`` (``""`` is the package itself and is never bundled: the patch writes its own).
+
+    ``aliased``: modules the fork already has under another name (the patched trainer's own module,
+    for the vendored trainer): not copied, only their parent packages; the install shim points the
+    bundled name at the fork's module. Importing one at module level is refused (the alias is made
+    when the hook runs, after the bundle is imported).
+    """
+    forbidden, aliased = tuple(forbidden), tuple(aliased)
     todo, seen = [start], set()
     while todo:
         name = todo.pop()
         if name in seen:
             continue
         seen.add(name)
+        if name in aliased:
+            parts = name.split(".")
+            todo += [".".join(parts[:i]) for i in range(1, len(parts))]
+            continue
         path = _module_file(root, name)
         if path is None:
             raise BundleError(f"cannot bundle {root.name}.{name}: no such module under {root}")
@@ -227,6 +249,9 @@ def bundle_modules(start: str, root: Path = KIT, forbidden: Iterable[str] = FORB
                     raise BundleError(f"{where}:{node.lineno}: relative import above {root.name}")
                 base = package[: len(package) - (node.level - 1)]
                 target = ".".join(base + (node.module.split(".") if node.module else []))
+                if target in aliased and node in tree.body:
+                    raise BundleError(f"{where}:{node.lineno} imports {target} at module level; the fork's "
+                                      f"module is aliased only when its install hook runs: import it in the function")
                 if target:
                     todo.append(target)
                 for alias in node.names:
@@ -237,7 +262,7 @@ def bundle_modules(start: str, root: Path = KIT, forbidden: Iterable[str] = FORB
                         raise BundleError(
                             f"{where}:{node.lineno} imports {alias.name!r} from {root.name}/__init__.py, which the "
                             f"fork replaces with its own; import it from the module that defines it")
-    return sorted(m for m in seen if m)
+    return sorted(m for m in seen if m and m not in aliased)
 
 
 def _bundled_path(target: Target, dotted: str, root: Path = KIT) -> tuple[str, str]:
@@ -368,6 +393,7 @@ does, and every trainer built afterwards reads its settings from its ``{target.c
 from __future__ import annotations
 
 import functools
+import sys
 import types
 
 from . import options as _options
@@ -377,6 +403,8 @@ from {adapter_mod} import {target.adapter_attr} as _ADAPTER
 __all__ = ["SETTINGS", "install", "patch_options"]
 
 SWITCH = {SWITCH!r}
+# kit modules that are the patched trainer's own module in the fork: the bundle's name points at it
+ALIASES = {target.aliased!r}
 SETTINGS = {{
 {defaults},
 }}
@@ -419,6 +447,8 @@ def install(cls, config_class):
     """Wrap ``cls``'s methods once; a method the adapter needs and ``cls`` lacks is an error."""
     if cls.__dict__.get("_grpo_patches_installed"):
         return
+    for alias in ALIASES:
+        sys.modules[f"{{__name__}}.{{alias}}"] = sys.modules[cls.__module__]
     for name, wrapper in _ADAPTER.wrappers.items():
         original = getattr(cls, name, None)
         if original is None:
@@ -524,7 +554,7 @@ def generate(target: Target, sources: dict[str, str] | None = None) -> str:
 
     sources = sources if sources is not None else source_files(target)
     _check_shim_contract(target)
-    modules = bundle_modules(target.adapter_module)
+    modules = target.modules()
     found = settings(modules)
     edited = _edits(target, sources, found)
     files: dict[str, tuple[str | None, str]] = {name: (sources[name], edited[name]) for name in sources}

@@ -95,11 +95,11 @@ def test_settings_are_apply_options_with_apply_defaults():
 
     params = inspect.signature(grpo_patches.apply).parameters
     for target in (TARGETS[0], TARGETS[-2]):
-        found = patchgen.settings(patchgen.bundle_modules(target.adapter_module))
+        found = patchgen.settings(target.modules())
         assert [s.name for s in found] == [n for n in params if n != "strict"]
         assert all(s.default == params[s.name].default and s.help for s in found)
-    dsm = patchgen.settings(patchgen.bundle_modules(TARGETS[-1].adapter_module))
-    assert [s.name for s in dsm] == ["fast_generation"]  # all the vendored adapter reads
+    dsm = patchgen.settings(TARGETS[-1].modules())
+    assert "fast_generation" in [s.name for s in dsm] and {s.name for s in dsm} <= {s.name for s in found}
 
 
 def test_an_unknown_release_is_refused_with_the_choices():
