@@ -36,14 +36,12 @@ def fork_python(target, tmp_path_factory) -> Path:
     """A venv with the release's pinned set and its patch applied (built once per test session)."""
     if target.release not in _envs:
         try:
-            python = fork_env.build(target.release, tmp_path_factory.mktemp(f"fork-{target.release}") / "venv")
+            _envs[target.release] = fork_env.patched(target.release,
+                                                     tmp_path_factory.mktemp(f"fork-{target.release}") / "venv")
         except fork_env.EnvironmentUnavailable as exc:
             if os.environ.get("GRPO_PATCHES_REQUIRE_FORK_TESTS") == "1":
                 raise
             pytest.skip(str(exc))
-        subprocess.run([str(python), str(FORK / "drive.py"), "--patch", str(target.patch_path), "--apply-only"],
-                       check=True, cwd=tmp_path_factory.getbasetemp())
-        _envs[target.release] = python
     return _envs[target.release]
 
 

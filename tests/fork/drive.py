@@ -42,8 +42,18 @@ def apply_patch(patch: Path) -> str:
     return f"applied {patch.name} in {site}"
 
 
-def launch(scenario: str, mode: str, world_size: int, deadline: float) -> list[RankResult]:
+def launch(scenario: str, mode: str, world_size: int, deadline: float, *, python: str | Path = sys.executable,
+           module: str | None = None, args: tuple[str, ...] = ()) -> list[RankResult]:
+    """Start ``world_size`` ranks and collect what each wrote (``OUTDIR/rank<r>.json``) and its log.
+
+    The ranks run ``python tests/fork/worker.py OUTDIR SCENARIO`` or, with ``module``, ``python -m
+    MODULE OUTDIR ARGS`` (tests/launch.py's convention, e.g. ``tests.matrix.worker``), from OUTDIR,
+    which holds a ``tests`` link to this checkout's tests/: ``import tests.helpers`` works, and in
+    fork mode nothing else of the checkout is on sys.path (grpo_patches is not importable).
+    ``python``: the interpreter of the environment under test (default: this one).
+    """
     outdir = Path(tempfile.mkdtemp(prefix="grpo_fork_"))
+    (outdir / "tests").symlink_to(HERE.parent, target_is_directory=True)
     port = str(free_port())
     procs, logs = [], []
     start = time.monotonic()
@@ -57,8 +67,9 @@ def launch(scenario: str, mode: str, world_size: int, deadline: float) -> list[R
             env["PYTHONPATH"] = str(HERE.parents[1])  # the kit from this checkout
         log = open(outdir / f"rank{rank}.log", "w+")  # noqa: SIM115 - closed below
         logs.append(log)
-        procs.append(subprocess.Popen([sys.executable, str(HERE / "worker.py"), str(outdir), scenario], cwd=outdir,
-                                      env=env, stdout=log, stderr=subprocess.STDOUT))
+        cmd = ([str(python), "-m", module, str(outdir), *args] if module
+               else [str(python), str(HERE / "worker.py"), str(outdir), scenario])
+        procs.append(subprocess.Popen(cmd, cwd=outdir, env=env, stdout=log, stderr=subprocess.STDOUT))
     ended: dict[int, float] = {}
     while len(ended) < world_size and time.monotonic() - start < deadline:
         for rank, p in enumerate(procs):
@@ -88,15 +99,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--deadline", type=float, default=400.0)
     parser.add_argument("--apply-only", action="store_true", help="apply --patch and stop")
+    parser.add_argument("--module", help="run the ranks as python -m MODULE OUTDIR ARGS... instead of worker.py")
+    parser.add_argument("args", nargs="*", help="arguments after OUTDIR for --module")
     args = parser.parse_args(argv)
-    if args.mode == "fork":
-        if args.patch is None:
-            parser.error("fork mode needs --patch")
+    if args.mode == "fork" and args.patch is not None:  # without --patch: patched already (env.py patched)
         print(apply_patch(args.patch), flush=True)
         if args.apply_only:
             return 0
     t0 = time.monotonic()
-    results = launch(args.scenario, args.mode, args.world_size, args.deadline)
+    results = launch(args.scenario, args.mode, args.world_size, args.deadline, module=args.module,
+                     args=tuple(args.args))
     failures = checks.failures_of(args.scenario, results)
     trl = results[0].data.get("trl", "?")
     print(f"{args.mode} mode, trl {trl}, {args.world_size} ranks, {time.monotonic() - t0:.0f} s: "

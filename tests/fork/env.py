@@ -91,5 +91,17 @@ def build(release: str, dest: Path) -> Path:
     return python
 
 
-if __name__ == "__main__":  # python tests/fork/env.py RELEASE DEST
-    print(build(sys.argv[1], Path(sys.argv[2])))
+def patched(release: str, dest: Path) -> Path:
+    """:func:`build`, then ``patches/trl-<release>.patch`` applied to that venv's TRL; returns its python.
+
+    What another multi-process test needs to run in fork mode: start its ranks with this python
+    (tests/fork/drive.py's ``launch(..., python=..., module=...)``) and GRPO_PATCHES_KIT_MODE=fork.
+    """
+    python = build(release, dest)
+    subprocess.run([str(python), str(ROOT / "tests" / "fork" / "drive.py"), "--patch",
+                    str(ROOT / "patches" / f"trl-{release}.patch"), "--apply-only"], check=True, cwd=dest)
+    return python
+
+
+if __name__ == "__main__":  # python tests/fork/env.py RELEASE DEST: a patched venv
+    print(patched(sys.argv[1], Path(sys.argv[2])))
