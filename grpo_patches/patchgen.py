@@ -180,6 +180,9 @@ def source_files(target: Target) -> dict[str, str]:
     if target.release == "vendored":
         return {name: (KIT / "vendored" / name).read_text() for name in wanted}
     with zipfile.ZipFile(release_wheel(target.release)) as wheel:
+        missing = [name for name in wanted if name not in wheel.namelist()]
+        if missing:
+            raise RuntimeError(f"trl {target.release}'s wheel has no {', '.join(missing)}: not a GRPO release")
         return {name: wheel.read(name).decode() for name in wanted}
 
 
@@ -678,7 +681,10 @@ def check_patch(target: Target, patch: Path | None = None) -> CheckResult:
     if not patch.is_file():
         return CheckResult(target.name, False, f"{patch} is missing (run grpo-patches make-patches)")
     with tempfile.TemporaryDirectory(prefix=f"grpo-check-{target.name}-") as tmp:
-        tree = unpack_release(target, Path(tmp) / "tree")
+        try:
+            tree = unpack_release(target, Path(tmp) / "tree")
+        except RuntimeError as exc:  # the release could not be fetched
+            return CheckResult(target.name, False, str(exc))
         problems = exact_hunk_problems(patch.read_text(), tree)
         for check in (_git_apply_check, _patch_dry_run):
             msg = check(patch, tree)
@@ -708,7 +714,12 @@ def stale_patches(release: str | None = None) -> list[str]:
 
 
 def _make_cmd(args) -> int:
-    for path in make_patches(args.release):
+    try:
+        written = make_patches(args.release)
+    except (BundleError, RuntimeError) as exc:  # cannot bundle, or no source: one line, exit 2
+        print(f"grpo-patches make-patches: error: {exc}", file=sys.stderr)
+        return 2
+    for path in written:
         print(f"wrote {path.relative_to(REPO) if path.is_relative_to(REPO) else path}")
     return 0
 
