@@ -52,21 +52,38 @@ def run_json(cmd, cwd, env=None) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("target", ENDS, ids=lambda t: t.name)
-def test_patched_fork_keeps_the_invariants_without_the_kit(target, tmp_path_factory):
-    python = fork_python(target, tmp_path_factory)
-    done = subprocess.run([str(python), str(FORK / "drive.py"), "--patch", str(target.patch_path)],
-                          cwd=tmp_path_factory.getbasetemp(), capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-12000:] + done.stderr[-3000:]
-    assert f"fork mode, trl {target.release}, 2 ranks" in done.stdout and "every invariant held" in done.stdout
-
-
-def test_the_scenario_holds_in_monkeypatch_mode_too():
-    """The driver's switch in its other position: grpo_patches.apply() in this (kit) environment."""
-    done = subprocess.run([sys.executable, str(FORK / "drive.py"), "--mode", "monkeypatch"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+@pytest.fixture(scope="module")
+def monkeypatch_run(tmp_path_factory) -> list[dict]:
+    """The scenario through grpo_patches.apply() / revert() in this (kit) environment: pristine TRL
+    for the upstream half."""
+    save = tmp_path_factory.mktemp("monkeypatch") / "ranks.json"
+    done = subprocess.run([sys.executable, str(FORK / "drive.py"), "--mode", "monkeypatch", "--save", str(save)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-12000:] + done.stderr[-3000:]
     assert "monkeypatch mode" in done.stdout and "every invariant held" in done.stdout
+    return json.loads(save.read_text())
+
+
+def test_the_scenario_holds_in_monkeypatch_mode_too(monkeypatch_run):
+    """The driver's switch in its other position: grpo_patches.apply() in this (kit) environment."""
+    assert [d["mode"] for d in monkeypatch_run] == ["monkeypatch", "monkeypatch"]
+
+
+@pytest.mark.parametrize("target", ENDS, ids=lambda t: t.name)
+def test_patched_fork_keeps_the_invariants_without_the_kit(target, tmp_path_factory, monkeypatch_run):
+    python = fork_python(target, tmp_path_factory)
+    save = tmp_path_factory.mktemp(f"ranks-{target.release}") / "ranks.json"
+    done = subprocess.run([str(python), str(FORK / "drive.py"), "--patch", str(target.patch_path), "--save",
+                           str(save)], cwd=tmp_path_factory.getbasetemp(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-12000:] + done.stderr[-3000:]
+    assert f"fork mode, trl {target.release}, 2 ranks" in done.stdout and "every invariant held" in done.stdout
+    fork = json.loads(save.read_text())
+    if fork[0]["trl"] == monkeypatch_run[0]["trl"]:
+        # Same release as this environment's: the fork switched off is pristine upstream (grpo_patches
+        # reverted), and the fork with default settings gives upstream's advantages too.
+        for f, m in zip(fork, monkeypatch_run, strict=True):
+            assert f["stock"] == m["stock"], "GRPOConfig(grpo_patches=False) differs from unpatched TRL"
+            assert f["default"]["advantages"] == pytest.approx(m["stock"]["advantages"], abs=1e-6)
 
 
 @pytest.mark.parametrize("target", ENDS, ids=lambda t: t.name)

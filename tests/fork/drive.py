@@ -100,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--deadline", type=float, default=400.0)
     parser.add_argument("--apply-only", action="store_true", help="apply --patch and stop")
     parser.add_argument("--module", help="run the ranks as python -m MODULE OUTDIR ARGS... instead of worker.py")
+    parser.add_argument("--save", type=Path, help="write every rank's data as JSON to this file")
     parser.add_argument("args", nargs="*", help="arguments after OUTDIR for --module")
     args = parser.parse_args(argv)
     if args.mode == "fork" and args.patch is not None:  # without --patch: patched already (env.py patched)
@@ -109,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     results = launch(args.scenario, args.mode, args.world_size, args.deadline, module=args.module,
                      args=tuple(args.args))
+    if args.save is not None:
+        args.save.write_text(json.dumps([r.data for r in results]))
     failures = checks.failures_of(args.scenario, results)
     trl = results[0].data.get("trl", "?")
     print(f"{args.mode} mode, trl {trl}, {args.world_size} ranks, {time.monotonic() - t0:.0f} s: "
