@@ -80,10 +80,15 @@ def test_patched_fork_keeps_the_invariants_without_the_kit(target, tmp_path_fact
     fork = json.loads(save.read_text())
     if fork[0]["trl"] == monkeypatch_run[0]["trl"]:
         # Same release as this environment's: the fork switched off is pristine upstream (grpo_patches
-        # reverted), and the fork with default settings gives upstream's advantages too.
+        # reverted), the fork with default settings gives upstream's advantages, and with each set of
+        # options the fork does what apply() does: same reward calls, refusals and errors.
         for f, m in zip(fork, monkeypatch_run, strict=True):
             assert f["stock"] == m["stock"], "GRPOConfig(grpo_patches=False) differs from unpatched TRL"
             assert f["default"]["advantages"] == pytest.approx(m["stock"]["advantages"], abs=1e-6)
+            for label in ("default", "local", "main"):
+                assert f[label] == m[label], label
+                assert f[f"{label}_refusal"] == m[f"{label}_refusal"], label
+            assert [f["local_fault"], f["main_fault"]] == [m["local_fault"], m["main_fault"]]
 
 
 @pytest.mark.parametrize("target", ENDS, ids=lambda t: t.name)
