@@ -452,13 +452,14 @@ def install(cls, config_class):
         return
     for alias in ALIASES:
         sys.modules[f"{{__name__}}.{{alias}}"] = sys.modules[cls.__module__]
+    missing = [n for n in _ADAPTER.wrappers if getattr(cls, n, None) is None and n not in _ADAPTER.optional]
+    if missing:  # checked before anything is wrapped
+        raise RuntimeError(f"grpo-patches: {{cls.__name__}}.{{missing[0]}} is missing; this patch was made for "
+                           f"{target.release}")
     for name, wrapper in _ADAPTER.wrappers.items():
         original = getattr(cls, name, None)
-        if original is None:
-            if name in _ADAPTER.optional:
-                continue
-            raise RuntimeError(f"grpo-patches: {{cls.__name__}}.{{name}} is missing; this patch was made for "
-                               f"{target.release}")
+        if original is None:  # an optional method this release does not have
+            continue
         if name == "__init__":
             wrapper = _with_settings(config_class, wrapper)
         setattr(cls, name, _method(original, wrapper))

@@ -105,3 +105,56 @@ def test_settings_are_apply_options_with_apply_defaults():
 def test_an_unknown_release_is_refused_with_the_choices():
     with pytest.raises(ValueError, match="no patch for release '9.9.9'.*grpo-patches versions"):
         patchgen.targets("9.9.9")
+
+
+@pytest.fixture
+def patched_vendored(tmp_path, monkeypatch):
+    """The vendored trainer patched with dsm_grpo.patch in a scratch folder, imported in this process."""
+    import shutil
+    import sys
+
+    shutil.copy(patchgen.KIT / "vendored" / "dsm_grpo.py", tmp_path)
+    subprocess.run(["git", "apply", str(TARGETS[-1].patch_path)], cwd=tmp_path, check=True,
+                   env={"GIT_CEILING_DIRECTORIES": str(tmp_path.parent), "PATH": "/usr/bin:/bin"})
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in [m for m in sys.modules if m == "dsm_grpo" or m.startswith("dsm_grpo_rank_local")]:
+        monkeypatch.delitem(sys.modules, name)
+    import dsm_grpo
+    import dsm_grpo_rank_local
+
+    yield dsm_grpo, dsm_grpo_rank_local
+    for name in [m for m in sys.modules if m == "dsm_grpo" or m.startswith("dsm_grpo_rank_local")]:
+        del sys.modules[name]
+
+
+def test_install_wraps_each_method_once_and_names_a_missing_one(patched_vendored):
+    dsm_grpo, shim = patched_vendored
+    cls = dsm_grpo.DSMGRPOTrainer
+    wrapped = {name for name, v in vars(cls).items() if hasattr(v, "_self_wrapper")}
+    assert wrapped == set(shim._ADAPTER.wrappers)  # what the adapter wraps under apply()
+    before = {name: vars(cls)[name] for name in wrapped}
+    shim.install(cls, dsm_grpo.DSMGRPOConfig)  # a second install (a reload of the hook) changes nothing
+    assert {name: vars(cls)[name] for name in wrapped} == before
+    assert all(not hasattr(inspect_unwrap(v), "_self_wrapper") for v in before.values())
+
+    class Moved:  # a trainer whose wrapped method moved away
+        def __init__(self):
+            pass
+
+    with pytest.raises(RuntimeError, match=r"Moved\.sample is missing; this patch was made for vendored"):
+        shim.install(Moved, dsm_grpo.DSMGRPOConfig)
+    assert not hasattr(vars(Moved)["__init__"], "_self_wrapper")  # refused before anything was wrapped
+
+
+def test_fork_settings_turn_the_vendored_patch_on_and_off(patched_vendored):
+    dsm_grpo, shim = patched_vendored
+    assert shim.patch_options(dsm_grpo.DSMGRPOConfig(grpo_patches=False)) is None
+    on = shim.patch_options(dsm_grpo.DSMGRPOConfig(fast_generation=True))
+    assert on is not None and on.fast_generation is not None
+    assert shim.patch_options(None).fast_generation is None  # defaults: apply()'s
+
+
+def inspect_unwrap(fn):
+    import inspect
+
+    return inspect.unwrap(fn)
