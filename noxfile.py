@@ -146,7 +146,10 @@ def _fork_session(trl: str, row: dict[str, str]) -> None:
         session.install(*requirements, "--exclude-newer", _cap(row["released"]), "--override",
                         _no_torch_override(session))
         _versions(session)
-        command = session.posargs or ["python", "tests/fork/drive.py", "--patch", f"patches/trl-{trl}.patch"]
+        session.run("python", "tests/fork/drive.py", "--patch", f"patches/trl-{trl}.patch", "--apply-only")
+        # default: the fork invariants scenario; posargs: any other command in the patched venv, e.g.
+        # -- python tests/fork/drive.py --module tests.matrix.worker ARGS (a tests/launch.py-style worker)
+        command = session.posargs or ["python", "tests/fork/drive.py"]
         session.run(*command, env={"GRPO_PATCHES_TRL_VERSION": trl, "GRPO_PATCHES_KIT_MODE": "fork"})
 
     fork.__doc__ = f"TRL {trl} with patches/trl-{trl}.patch applied, grpo_patches not installed: the invariants"

@@ -43,14 +43,16 @@ def apply_patch(patch: Path) -> str:
 
 
 def launch(scenario: str, mode: str, world_size: int, deadline: float, *, python: str | Path = sys.executable,
-           module: str | None = None, args: tuple[str, ...] = ()) -> list[RankResult]:
+           module: str | None = None, args: tuple[str, ...] = (), env: dict[str, str] | None = None,
+           ) -> list[RankResult]:
     """Start ``world_size`` ranks and collect what each wrote (``OUTDIR/rank<r>.json``) and its log.
 
     The ranks run ``python tests/fork/worker.py OUTDIR SCENARIO`` or, with ``module``, ``python -m
     MODULE OUTDIR ARGS`` (tests/launch.py's convention, e.g. ``tests.matrix.worker``), from OUTDIR,
     which holds a ``tests`` link to this checkout's tests/: ``import tests.helpers`` works, and in
     fork mode nothing else of the checkout is on sys.path (grpo_patches is not importable).
-    ``python``: the interpreter of the environment under test (default: this one).
+    ``python``: the interpreter of the environment under test (default: this one); ``env``: more
+    environment variables for every rank.
     """
     outdir = Path(tempfile.mkdtemp(prefix="grpo_fork_"))
     (outdir / "tests").symlink_to(HERE.parent, target_is_directory=True)
@@ -58,18 +60,19 @@ def launch(scenario: str, mode: str, world_size: int, deadline: float, *, python
     procs, logs = [], []
     start = time.monotonic()
     for rank in range(world_size):
-        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-        env.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
-                    "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
-                    "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
-                    "GRPO_PATCHES_KIT_MODE": mode})
+        rank_env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        rank_env.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+                         "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+                         "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
+                         "GRPO_PATCHES_KIT_MODE": mode})
         if mode == "monkeypatch":
-            env["PYTHONPATH"] = str(HERE.parents[1])  # the kit from this checkout
+            rank_env["PYTHONPATH"] = str(HERE.parents[1])  # the kit from this checkout
+        rank_env.update(env or {})
         log = open(outdir / f"rank{rank}.log", "w+")  # noqa: SIM115 - closed below
         logs.append(log)
         cmd = ([str(python), "-m", module, str(outdir), *args] if module
                else [str(python), str(HERE / "worker.py"), str(outdir), scenario])
-        procs.append(subprocess.Popen(cmd, cwd=outdir, env=env, stdout=log, stderr=subprocess.STDOUT))
+        procs.append(subprocess.Popen(cmd, cwd=outdir, env=rank_env, stdout=log, stderr=subprocess.STDOUT))
     ended: dict[int, float] = {}
     while len(ended) < world_size and time.monotonic() - start < deadline:
         for rank, p in enumerate(procs):
