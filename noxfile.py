@@ -6,6 +6,8 @@
     nox                                 # every release in the table (same as: nox -t matrix)
     nox -t v019                         # the releases of one adapter era
     nox -s canary                       # the newest TRL on PyPI that is not in the table (if any)
+    nox -t fork                         # every release's fork patch, applied, grpo_patches absent
+    nox -s fork-0.15.2                  # one release's fork patch (tests/fork/drive.py)
 
 Each session builds a fresh uv venv (hard links from uv's cache: about 2 s per release once the cache
 is warm), installs CPU torch first (uncapped; torch is never part of the pinned set), then TRL and
@@ -132,6 +134,30 @@ def _matrix_session(trl: str, row: dict[str, str]) -> None:
 
 for _trl, _row in COMPAT["supported"].items():
     _matrix_session(_trl, _row)
+
+
+def _fork_session(trl: str, row: dict[str, str]) -> None:
+    @nox.session(name=f"fork-{trl}", tags=["fork", f"fork-{row['era']}"], reuse_venv=False, default=False)
+    def fork(session: nox.Session) -> None:
+        # The release's pinned set and NOTHING of this repo: tests/fork/drive.py applies
+        # patches/trl-<release>.patch to this venv's TRL and runs the invariants scenario on 2 ranks there.
+        session.install(*_torch_args(session))
+        requirements = [f"trl=={trl}"] + [f"{name}=={row[name]}" for name in PINNED]
+        session.install(*requirements, "--exclude-newer", _cap(row["released"]), "--override",
+                        _no_torch_override(session))
+        _versions(session)
+        session.run("python", "tests/fork/drive.py", "--patch", f"patches/trl-{trl}.patch", "--apply-only")
+        # default: the fork invariants scenario; posargs: any other command in the patched venv, e.g.
+        # -- python tests/fork/drive.py --module tests.matrix.worker ARGS (a tests/launch.py-style worker)
+        command = session.posargs or ["python", "tests/fork/drive.py"]
+        session.run(*command, env={"GRPO_PATCHES_TRL_VERSION": trl, "GRPO_PATCHES_KIT_MODE": "fork"})
+
+    fork.__doc__ = f"TRL {trl} with patches/trl-{trl}.patch applied, grpo_patches not installed: the invariants"
+
+
+for _trl, _row in COMPAT["supported"].items():
+    if _trl not in COMPAT.get("grpo_free", []):
+        _fork_session(_trl, _row)
 
 
 def _newest_trl(session: nox.Session) -> str:
