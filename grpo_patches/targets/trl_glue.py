@@ -18,7 +18,7 @@ from torch import nn
 
 from ..collectives import FailFastGroup
 from ..generation import enable_fast_generation
-from ..grouping import RankLocalGroupSampler, check_group_shape
+from ..grouping import RankLocalGroupSampler, check_group_shape, epoch_of_state
 from ..options import PatchOptions, active
 from ..rewards import RewardBatch, Scored, compute_rewards, reward_column, validate_chunk_size
 
@@ -136,6 +136,7 @@ def sampler_wrapper(shape_of: Callable[[Any], GroupShape], repeats: Callable[[An
             repeat_count=repeats(instance),
             shuffle=getattr(instance, "shuffle_dataset", True),
             seed=instance.args.seed,
+            epoch_source=lambda: epoch_of_state(instance.state),  # resume: see RankLocalGroupSampler
         )
 
     return _get_train_sampler

@@ -1,0 +1,55 @@
+"""I2 across a checkpoint: a real ``trainer.train(resume_from_checkpoint=...)`` on 2 ranks uses, for the
+rest of the epoch, exactly the rows the uninterrupted run used.
+
+Config (tests/dist_resume.py): 18 rows, 4 prompts per step (2 ranks x 4 completions, num_generations=2),
+so 4 steps per epoch, 2 epochs; checkpoint at step 6 (epoch 1, 2nd step); the resumed trainer runs
+steps 7-8. Each rank records the ``row`` column its reward function sees at each step (one call per
+step). Upstream first: stock TRL drops 2 rows per epoch and, resumed in epoch 1, replays epoch 0's
+steps 3-4 (its sampler restarts its shuffle sequence, and ``set_epoch`` does not reach it).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from tests.launch import describe, run_ranks
+
+pytestmark = pytest.mark.distributed
+
+STEPS_PER_EPOCH, RESUME_AT, N_ROWS = 4, 6, 18
+
+
+def launch(label):
+    results = run_ranks("tests.dist_resume", label, world_size=2, deadline=300)
+    assert all(r.returncode == 0 for r in results), describe(results)
+    for r in results:
+        assert r.data["full_steps"] == r.data["resumed_steps"] == 2 * STEPS_PER_EPOCH, describe(results)
+        assert len(r.data["full"]) == 2 * STEPS_PER_EPOCH and len(r.data["resumed"]) == 2, r.data
+    return results
+
+
+def epoch_rows(results, epoch):
+    """The rows of one epoch across ranks, one entry per group (num_generations=2)."""
+    steps = slice(epoch * STEPS_PER_EPOCH, (epoch + 1) * STEPS_PER_EPOCH)
+    return Counter(row for r in results for call in r.data["full"][steps] for row in call[::2])
+
+
+def test_upstream_resume_replays_epoch_zero_and_drops_rows():
+    results = launch("stock")
+    assert len(epoch_rows(results, 0)) == 16  # 2 of the 18 rows never used in epoch 0
+    for r in results:
+        full, resumed = r.data["full"], r.data["resumed"]
+        assert resumed != full[RESUME_AT:]
+        # restarted shuffle sequence: the resumed steps 7-8 are epoch 0's steps 3-4
+        assert resumed == full[RESUME_AT - STEPS_PER_EPOCH:STEPS_PER_EPOCH]
+
+
+def test_patched_resume_uses_the_uninterrupted_rows():
+    results = launch("patched")
+    # the uninterrupted run: no row lost; the 2 left over open epoch 1 (I2)
+    assert set(epoch_rows(results, 0)) | set(epoch_rows(results, 1)) == set(range(N_ROWS))
+    assert all(count == 1 for e in (0, 1) for count in epoch_rows(results, e).values())
+    for r in results:
+        assert r.data["resumed"] == r.data["full"][RESUME_AT:], describe(results)
