@@ -32,6 +32,22 @@ def recording_reward(completions, row, **kwargs):
     return target_share(completions, target=kwargs.get("target"))
 
 
+def cpu_map_location_shim() -> None:
+    """transformers < 4.50 loads the optimizer state of a multi-rank run with ``map_location=args.device``,
+    ``cpu:0`` on CPU, which torch 2.13 refuses ("don't know how to restore data location ... cpu:0");
+    on GPUs it is ``cuda:N`` and works. Test-only: read ``cpu:N`` as ``cpu``."""
+    import torch
+
+    load = torch.load
+
+    def patched_load(*args, map_location=None, **kwargs):
+        if isinstance(map_location, torch.device | str) and str(map_location).startswith("cpu:"):
+            map_location = "cpu"
+        return load(*args, map_location=map_location, **kwargs)
+
+    torch.load = patched_load
+
+
 def train(output_dir: str, resume: str | None) -> tuple[list[list[int]], int]:
     from trl import GRPOTrainer
 
@@ -50,6 +66,7 @@ def main() -> None:
     data: dict = {"rank": RANK, "label": label}
     code = 0
     try:
+        cpu_map_location_shim()
         if label == "stock":
             grpo_patches.revert()
         else:
