@@ -19,6 +19,7 @@ from torch import nn
 from ..collectives import FailFastGroup
 from ..generation import enable_fast_generation
 from ..grouping import RankLocalGroupSampler, check_group_shape, epoch_of_state
+from ..liveness import watching
 from ..options import PatchOptions, active
 from ..rewards import RewardBatch, Scored, compute_rewards, reward_column, validate_chunk_size
 
@@ -140,6 +141,14 @@ def sampler_wrapper(shape_of: Callable[[Any], GroupShape], repeats: Callable[[An
         )
 
     return _get_train_sampler
+
+
+def train_wrapper(wrapped, instance, args, kwargs):
+    """``train()`` with this rank's liveness monitor on: a peer that vanishes is named (liveness.py)."""
+    if not hasattr(instance, STATE_ATTR):
+        return wrapped(*args, **kwargs)
+    with watching():
+        return wrapped(*args, **kwargs)
 
 
 def _placeholder(name: str, index: int) -> Callable:
