@@ -6,6 +6,8 @@ LABEL: ``stock`` (unpatched TRL) or ``patched``. At the victim's 2nd reward call
 * ``stop``: the victim SIGSTOPs itself (frozen, sockets open: its peers get no connection error, as a
   rank hung in an NCCL kernel or a dead host would look); a helper process resumes it (SIGCONT)
   FREEZE seconds later;
+* ``raise``: the victim raises a RuntimeError from a TrainerCallback at the start of step 2 (outside
+  the reward path: as a CUDA out-of-memory error in the forward pass would) and exits;
 * ``busy``: the victim spins in pure Python for BUSY seconds and then goes on (a slow reward, not a
   death); training must finish on every rank.
 
@@ -43,7 +45,7 @@ def main() -> None:
 
     def reward(completions, **kwargs):
         calls.append(len(completions))
-        if victim == RANK and len(calls) == 2:
+        if victim == RANK and len(calls) == 2 and kind in ("kill", "stop", "busy"):
             print(f"VICTIM_DOWN {time.time()!r}", flush=True)  # when it went down (wall clock)
             if kind == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -63,11 +65,18 @@ def main() -> None:
         else:
             # a reward_timeout far past the test's bound: only the liveness monitor can end a frozen peer's wait
             grpo_patches.apply(reward_timeout=300.0)
+        from transformers import TrainerCallback
         from trl import GRPOTrainer
+
+        class RaiseAtStep2(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kwargs):
+                if kind == "raise" and victim == RANK and state.global_step == 1:
+                    print(f"VICTIM_DOWN {time.time()!r}", flush=True)
+                    raise RuntimeError("injected: CUDA out of memory in the forward pass")
 
         trainer = GRPOTrainer(model=tiny_policy(), reward_funcs=[reward], args=grpo_args(max_steps=4),
                               train_dataset=prompt_dataset(16), processing_class=tiny_tokenizer(),
-                              peft_config=lora())
+                              peft_config=lora(), callbacks=[RaiseAtStep2()])
         trainer.train()
         data["steps"] = trainer.state.global_step
     except Exception as exc:

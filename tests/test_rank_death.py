@@ -54,6 +54,24 @@ def test_killed_rank_is_named_within_the_bound(victim):
     assert survivor.data["t_end"] - t_down < BOUND + SLACK, (survivor.data["t_end"] - t_down, err)
 
 
+def test_upstream_survivor_of_a_raising_rank_gets_no_cause():
+    results, survivor, _, _ = launch("stock", "raise", 1)
+    assert [r.returncode for r in results] == [3, 3], describe(results)
+    assert "injected" in results[1].data["error"]
+    assert "injected" not in survivor.data["error"] and "rank 1" not in survivor.data["error"]
+
+
+def test_raising_rank_is_named_with_its_error():
+    """A rank that fails outside the reward path posts its error on the way out; its peer reports it."""
+    results, survivor, _, t_down = launch("patched", "raise", 1)
+    assert [r.returncode for r in results] == [3, 3], describe(results)
+    assert results[1].data["error"] == "RuntimeError: injected: CUDA out of memory in the forward pass"
+    err = survivor.data["error"]
+    assert survivor.data["error_type"] == "RankLostError", err
+    assert "rank 1 left trainer.train() with RuntimeError: injected: CUDA out of memory" in err, err
+    assert survivor.data["t_end"] - t_down < BOUND + SLACK
+
+
 def test_upstream_waits_for_a_frozen_rank():
     freeze = 15.0
     results, survivor, start, t_down = launch("stock", "stop", 1, GRPO_PATCHES_TEST_FREEZE=freeze)
