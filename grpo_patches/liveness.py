@@ -32,11 +32,12 @@ import os
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 
 import torch.distributed as dist
 
-from .collectives import CollectiveTimeoutError
+from .collectives import CollectiveTimeoutError, RemoteFailureError
 
 __all__ = ["EXIT_CODE", "PEER_TIMEOUT_ENV", "RankLostError", "peer_timeout", "watching"]
 
@@ -207,10 +208,11 @@ class _Monitor:
 
     # --- the main thread: after train() raised a lost-peer error --------------------------------------
     def name_the_lost(self) -> tuple[int, str] | None:
-        """Wait at most ``timeout`` s for the peer that is gone: silent, or out with a posted error."""
+        """Wait at most ``timeout`` s (30 s at most) for the peer that is gone: silent, or out with a
+        posted error. A dead peer is silent within ``confirm`` s; the margin is for a loaded host."""
         with self.lock:
             self.judging = True
-        deadline = time.monotonic() + self.timeout
+        deadline = time.monotonic() + min(self.timeout, 30.0)
         while time.monotonic() < deadline:
             with self.lock:
                 silent = self.verdict(self.confirm)
@@ -241,12 +243,19 @@ _monitor: _Monitor | None = None
 
 
 def _lost_peer(exc: BaseException) -> bool:
+    """Whether ``exc`` is torch.distributed (or the kit's side group) saying that a peer went away.
+
+    Only errors of the collectives count: a reward function's own "Connection reset by peer" (an
+    HTTP reward service) arrives as the kit's RemoteFailureError, whose cause is already known.
+    """
     seen = set()
-    while exc is not None and id(exc) not in seen:
+    while exc is not None and id(exc) not in seen and not isinstance(exc, RemoteFailureError):
         seen.add(id(exc))
-        if isinstance(exc, CollectiveTimeoutError) or type(exc).__name__ in ("DistNetworkError", "DistBackendError"):
+        text = str(exc).lower()
+        if isinstance(exc, CollectiveTimeoutError):
             return True
-        if any(text in str(exc).lower() for text in _LOST_PEER_TEXT):
+        collective = isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and ("gloo" in text or "nccl" in text))
+        if collective and any(phrase in text for phrase in _LOST_PEER_TEXT):
             return True
         exc = exc.__cause__ or exc.__context__
     return False
@@ -277,10 +286,16 @@ def watching() -> Iterator[None]:
     any other error is posted for the peers and re-raised unchanged.
     """
     monitor = _monitor_for_this_job()
+    if monitor is not None:
+        try:
+            monitor.arm()
+        except Exception as exc:  # noqa: BLE001 - monitoring is a safety net, never a reason not to train
+            warnings.warn(f"grpo_patches: rank liveness monitoring is off for this train() call: the store at "
+                          f"{monitor.address[0]}:{monitor.address[1]} did not answer ({exc}).", stacklevel=3)
+            monitor = None
     if monitor is None:
         yield
         return
-    monitor.arm()
     try:
         yield
     except BaseException as exc:

@@ -111,3 +111,22 @@ def test_bound_default_and_off(monkeypatch):
     assert peer_timeout() is None
     monkeypatch.setenv(PEER_TIMEOUT_ENV, "90")
     assert peer_timeout() == 90.0
+
+
+def test_only_collective_errors_wait_for_a_verdict():
+    """Which errors from train() make a rank look for a vanished peer (and wait for it, up to 30 s)."""
+    from grpo_patches.collectives import CollectiveTimeoutError, Failure, RemoteFailureError
+    from grpo_patches.liveness import _lost_peer
+
+    gloo = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:34494")
+    assert _lost_peer(gloo)
+    assert _lost_peer(CollectiveTimeoutError("rank 0 lost its peers during 'gather'"))
+    wrapped = ValueError("while logging")
+    wrapped.__cause__ = gloo
+    assert _lost_peer(wrapped)
+    # a reward service's own network error: the kit already names the function and rank
+    reset = RemoteFailureError([Failure(1, "reward function 'api'", "ConnectionResetError", "Connection reset by peer")],
+                               on_rank=0)
+    assert not _lost_peer(reset)
+    assert not _lost_peer(ConnectionResetError("Connection reset by peer"))  # e.g. a logger's upload
+    assert not _lost_peer(RuntimeError("CUDA out of memory"))
