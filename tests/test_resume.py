@@ -60,3 +60,24 @@ def test_patched_resume_uses_the_uninterrupted_rows():
     assert all(count == 1 for e in (0, 1) for count in epoch_rows(results, e).values())
     for r in results:
         assert r.data["resumed"] == r.data["full"][RESUME_AT:], describe(results)
+
+
+def test_sampler_takes_its_epoch_from_the_trainer_state():
+    """Unit level: with ``epoch_source`` the sampler iterates the trainer's epoch, whatever set_epoch said."""
+    from types import SimpleNamespace
+
+    from grpo_patches.grouping import RankLocalGroupSampler, epoch_of_state
+
+    def reference(epoch):
+        plain = RankLocalGroupSampler(list(range(10)), 2, 3, seed=5)
+        plain.set_epoch(epoch)
+        return list(plain)
+
+    state = SimpleNamespace(epoch=None)  # before train(): TrainerState.epoch may be unset
+    sampler = RankLocalGroupSampler(list(range(10)), 2, 3, seed=5, epoch_source=lambda: epoch_of_state(state))
+    assert list(sampler) == list(sampler) == reference(0)  # iterating twice in one epoch: the same epoch
+    for value, epoch in ((1.0, 1), (1.5, 1), (2 - 1e-12, 2), (3.0, 3)):
+        state.epoch = value
+        sampler.set_epoch(0)  # what accelerate might still forward: the trainer's count wins
+        assert list(sampler) == reference(epoch), value
+    assert reference(1) != reference(0)
