@@ -117,14 +117,18 @@ class _Monitor:
 
     # --- the main thread: entering and leaving train() -------------------------------------------
     def arm(self) -> None:
-        if self._main_store is None:
-            self._main_store = self._connect()
+        try:
+            if self._main_store is None:
+                self._main_store = self._connect()
+            self._main_store.add(f"beat/{self.rank}", 1)
+            self._main_store.add(f"phase/{self.rank}", 1)  # odd: inside train()
+        except Exception:
+            self._main_store = None  # connect afresh next time
+            raise
         with self.lock:
             self.seen.clear()
             self.store_lost_since = None
             self.armed, self.judging = True, False
-        self._main_store.add(f"beat/{self.rank}", 1)
-        self._main_store.add(f"phase/{self.rank}", 1)  # odd: inside train()
 
     def disarm(self, failure: str | None) -> None:
         with self.lock:
