@@ -7,7 +7,8 @@ steps 7-8. Each rank records the ``row`` column its reward function sees at each
 step). Upstream first: resumed in epoch 1, stock TRL replays epoch 0's rows at the same offset (its
 sampler restarts its shuffle sequence, and ``set_epoch`` does not reach it). Stock's epoch length
 differs by release (1.16 drops the 2 rows that do not fill a step: 4 steps; 0.15 pads the 5th step
-with repeated rows: 5 steps), so its checks take the length it ran.
+with repeated rows: 5 steps; 0.19 runs 4 but counts 5, so its resumed run takes one step more), so
+its checks take the lengths it ran.
 
 The kit's sampler before the fix replayed epoch 0 the same way, on 1.16 and on 0.15.2: transformers
 calls ``set_epoch`` on the loader that ``skip_first_batches`` wrapped, which never reaches it.
@@ -30,9 +31,8 @@ def launch(label):
     results = run_ranks("tests.dist_resume", label, world_size=2, deadline=300)
     assert all(r.returncode == 0 for r in results), describe(results)
     for r in results:
-        steps = r.data["full_steps"]
-        assert r.data["resumed_steps"] == steps == len(r.data["full"]), describe(results)
-        assert len(r.data["resumed"]) == steps - RESUME_AT, r.data  # one reward call per step
+        assert r.data["full_steps"] == len(r.data["full"]), describe(results)  # one reward call per step
+        assert r.data["resumed_steps"] - RESUME_AT == len(r.data["resumed"]), describe(results)
     return results
 
 
@@ -46,15 +46,16 @@ def test_upstream_resume_replays_epoch_zero():
     results = launch("stock")
     for r in results:
         full, resumed = r.data["full"], r.data["resumed"]
-        per_epoch = len(full) // 2
         assert resumed != full[RESUME_AT:]
-        # restarted shuffle sequence: the resumed steps are epoch 0's, from the same offset
-        assert resumed == full[RESUME_AT - per_epoch:per_epoch]
+        # restarted shuffle sequence: the resumed steps are a stretch of epoch 0's (0.19-0.26 even run
+        # one step more than the uninterrupted run: transformers counts 5 steps per epoch, 4 happen)
+        starts = [k for k in range(len(full)) if full[k:k + len(resumed)] == resumed]
+        assert starts and starts[0] + len(resumed) <= (len(full) + 1) // 2, (full, resumed)
 
 
 def test_patched_resume_uses_the_uninterrupted_rows():
     results = launch("patched")
-    assert results[0].data["full_steps"] == 2 * STEPS_PER_EPOCH
+    assert all(r.data["full_steps"] == r.data["resumed_steps"] == 2 * STEPS_PER_EPOCH for r in results)
     # the uninterrupted run: no row lost; the 2 left over open epoch 1 (I2)
     assert set(epoch_rows(results, 0)) | set(epoch_rows(results, 1)) == set(range(N_ROWS))
     assert all(count == 1 for e in (0, 1) for count in epoch_rows(results, e).values())
