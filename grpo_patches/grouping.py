@@ -12,12 +12,14 @@ resumed run sees the same order. No TRL import here.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sized
+from collections.abc import Callable, Iterator, Sized
+from typing import Any
 
 import torch
 from torch.utils.data import Sampler
 
-__all__ = ["GroupShapeError", "RankLocalGroupSampler", "check_group_shape", "nearest_valid_settings"]
+__all__ = ["GroupShapeError", "RankLocalGroupSampler", "check_group_shape", "epoch_of_state",
+           "nearest_valid_settings"]
 
 
 class GroupShapeError(ValueError):
@@ -105,6 +107,13 @@ class RankLocalGroupSampler(Sampler[int]):
     so a resumed run restarts the sequence), so resuming from a checkpoint replays the same
     prompts. When ``len(data_source)`` is a multiple of ``prompts_per_batch`` every epoch is one
     permutation, the same indices in the same order as upstream.
+
+    Which epoch is being iterated: ``epoch_source`` when given (the trainer's own count, see
+    :func:`epoch_of_state`), else the last :meth:`set_epoch`, else one more than the previous pass.
+    The trainer must be asked because ``set_epoch`` does not reliably arrive: accelerate 1.4
+    forwards it to no sampler under its ``BatchSamplerShard``, and on resume every release wraps
+    the loader once more (``skip_first_batches``), out of reach of transformers' own forwarding; a
+    fresh sampler then replays epoch 0 in the middle of epoch 1 (seen on TRL 1.16 and 0.15).
     """
 
     def __init__(
@@ -115,6 +124,7 @@ class RankLocalGroupSampler(Sampler[int]):
         repeat_count: int = 1,
         shuffle: bool = True,
         seed: int = 0,
+        epoch_source: Callable[[], int] | None = None,
     ) -> None:
         self.num_rows = len(data_source)
         if prompts_per_batch < 1 or num_generations < 1 or repeat_count < 1:
@@ -133,6 +143,7 @@ class RankLocalGroupSampler(Sampler[int]):
         self.shuffle = shuffle
         self.seed = seed
         self.epoch = 0
+        self.epoch_source = epoch_source
         self._perms: list[list[int]] = []
         self._epochs: list[list[int]] = []
         self._deferred: list[int] = []
@@ -189,6 +200,8 @@ class RankLocalGroupSampler(Sampler[int]):
         return row
 
     def __iter__(self) -> Iterator[int]:
+        if self.epoch_source is not None:
+            self.epoch = self.epoch_source()
         rows = self.epoch_prompts(self.epoch)
         self.epoch += 1  # a plain DataLoader never calls set_epoch: move on by itself
         p, g = self.prompts_per_batch, self.num_generations
@@ -201,3 +214,13 @@ class RankLocalGroupSampler(Sampler[int]):
 
     def __len__(self) -> int:
         return self.batches_per_epoch * self.prompts_per_batch * self.num_generations * self.repeat_count
+
+
+def epoch_of_state(state: Any) -> int:
+    """The epoch a ``transformers.TrainerState`` is in: the number of whole epochs done.
+
+    ``state.epoch`` is a float, ``e + steps done / steps in epoch``: exactly ``e`` at an epoch
+    boundary (the last step adds ``n / n``), and the value saved in a checkpoint, so a resumed run
+    reads the epoch it resumes into. The tiny margin keeps ``e - 1e-12`` from a float sum at ``e``.
+    """
+    return math.floor((getattr(state, "epoch", None) or 0.0) + 1e-9)

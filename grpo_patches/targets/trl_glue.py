@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from ..collectives import FailFastGroup
-from ..grouping import RankLocalGroupSampler, check_group_shape
+from ..grouping import RankLocalGroupSampler, check_group_shape, epoch_of_state
+from ..liveness import watching
 from ..options import PatchOptions, active
 from ..rewards import RewardBatch, Scored, chunk_slices, compute_rewards, reward_column, validate_chunk_size
 from .trl_generation import enable_fast_generation
@@ -150,9 +151,18 @@ def sampler_wrapper(shape_of: Callable[[Any], GroupShape], repeats: Callable[[An
             repeat_count=repeats(instance),
             shuffle=getattr(instance, "shuffle_dataset", True),
             seed=instance.args.seed,
+            epoch_source=lambda: epoch_of_state(instance.state),  # resume: see RankLocalGroupSampler
         )
 
     return _get_train_sampler
+
+
+def train_wrapper(wrapped, instance, args, kwargs):
+    """``train()`` with this rank's liveness monitor on: a peer that vanishes is named (liveness.py)."""
+    if not hasattr(instance, STATE_ATTR):
+        return wrapped(*args, **kwargs)
+    with watching():
+        return wrapped(*args, **kwargs)
 
 
 def _placeholder(name: str, index: int) -> Callable:

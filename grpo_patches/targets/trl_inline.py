@@ -25,7 +25,15 @@ from packaging.specifiers import SpecifierSet
 
 from ..rewards import RewardBatch, compute_rewards
 from . import Adapter
-from .trl_glue import STATE_ATTR, GroupShape, TrainerPatchState, init_wrapper, sampler_wrapper, score_batch
+from .trl_glue import (
+    STATE_ATTR,
+    GroupShape,
+    TrainerPatchState,
+    init_wrapper,
+    sampler_wrapper,
+    score_batch,
+    train_wrapper,
+)
 
 
 def _shape(spg: Callable[[Any], int]) -> Callable[[Any], GroupShape]:
@@ -110,6 +118,7 @@ def _adapter(key: str, releases: str, shape_of, repeats, reward_site: str, sampl
             "__init__": init_wrapper(shape_of),
             "_get_train_sampler": sampler_wrapper(shape_of, repeats),
             reward_site: _guarded_rewards,
+            "train": train_wrapper,  # liveness: a vanished peer rank is named (liveness.py)
         },
         signatures={"__init__": _INIT_SIGNATURE, "_get_train_sampler": sampler_params},
         anchors={

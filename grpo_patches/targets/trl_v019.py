@@ -25,7 +25,7 @@ from packaging.specifiers import SpecifierSet
 
 from . import Adapter
 from .trl_generation import wrap_generate
-from .trl_glue import STATE_ATTR, GroupShape, init_wrapper, sampler_wrapper, trl_layout_rewards
+from .trl_glue import STATE_ATTR, GroupShape, init_wrapper, sampler_wrapper, train_wrapper, trl_layout_rewards
 
 
 def _shape(config: Any) -> GroupShape:
@@ -101,6 +101,7 @@ ADAPTER = Adapter(
         "__init__": _init,
         "_get_train_sampler": _get_train_sampler,
         "_calculate_rewards": _calculate_rewards,
+        "train": train_wrapper,  # liveness: a vanished peer rank is named (liveness.py)
         "_generate_single_turn": wrap_generate,  # passes through unless fast_generation is on
     },
     signatures={
