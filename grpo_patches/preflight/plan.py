@@ -227,6 +227,9 @@ def plan(model_config: Any, *, grpo_config: Any = None, world_size: int = 1, gpu
             tokens = batch * (s["prompt_length"] + completion)
             cost = dataclasses.replace(cost, recompute_flops=steps * 2 * report.params.total * tokens)
         entries.append(PlanEntry(layout, ckpt, placement, report, cost, cost_model.seconds(cost)))
-    entries.sort(key=lambda e: (not e.fits, e.seconds if e.fits else e.required, e.required))
+    # Equal cost: the simpler setup first (no DeepSpeed, no quantization), then the smaller peak.
+    entries.sort(key=lambda e: (not e.fits, e.seconds if e.fits else e.required,
+                                ("ddp", "fsdp2", "zero2", "zero3").index(e.layout.sharding)
+                                + (e.layout.quantization is not None), e.required))
     capacity = int(gpu_memory_gb * GiB)
     return Plan(entries, capacity, cost_model)
