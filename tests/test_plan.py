@@ -53,9 +53,12 @@ def test_zero3_gathers_the_whole_model_for_generation_unless_told_not_to():
 
 
 def test_fsdp2_keeps_the_root_and_two_layers_unsharded():
+    # (test_preflight_layouts.py checks the same against torch's FSDPMemTracker)
     p = count_parameters("qwen2-1.5b")
     b = Layout("fsdp2").base_bytes(p, 2)
-    assert est(sharding="fsdp2").components["gathered_weights"] == int(b["root"] + 2 * b["layer"])
+    layer = b["layer"] + 4 * p.trainable / p.layers
+    assert est(sharding="fsdp2").components["gathered_weights"] == int(max(2 * b["root"] + layer,
+                                                                             b["root"] + 2 * layer))
 
 
 def test_offload_moves_the_base_to_host_memory():
@@ -76,7 +79,8 @@ def test_quantized_bases_follow_bitsandbytes_layout():
     p = count_parameters("llama-3.1-8b")
     nf4 = est("llama-3.1-8b", world_size=1, quantization="nf4")
     rest = (p.frozen - p.linear_frozen) * 2
-    assert nf4.components["weights"] == int(p.linear_frozen * quantized_bytes_per_weight("nf4") + rest)
+    assert nf4.components["weights"] == pytest.approx(p.linear_frozen * quantized_bytes_per_weight("nf4") + rest,
+                                                      rel=1e-4)  # + per-tensor codes and block rounding
     int8 = est("llama-3.1-8b", world_size=1, quantization="int8")
     assert int8.components["weights"] == int(p.linear_frozen + 4 * p.linear_rows + rest)
     assert nf4.components["dequant_transient"] == p.largest_linear * 2

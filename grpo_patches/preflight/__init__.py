@@ -174,6 +174,7 @@ class ParamCount:
     largest_linear: int = 0  # the widest such Linear (dequantized one at a time)
     layers: int = 0  # decoder layers (FSDP2 / ZeRO-3 gather one at a time)
     layer_other: int = 0  # non-Linear parameters of one decoder layer (norms)
+    linear_sizes: tuple[int, ...] = ()  # each such Linear's weight numel (bitsandbytes' per-tensor blocks)
 
     @property
     def frozen(self) -> int:
@@ -496,7 +497,7 @@ def _base_layout(model: torch.nn.Module, head: Any) -> dict[str, int]:
     return dict(linear_frozen=sum(m.weight.numel() + (m.bias.numel() if m.bias is not None else 0) for m in linears),
                 linear_rows=sum(m.out_features for m in linears),
                 largest_linear=max((m.weight.numel() for m in linears), default=0),
-                layers=len(blocks), layer_other=other)
+                layers=len(blocks), layer_other=other, linear_sizes=tuple(m.weight.numel() for m in linears))
 
 
 def _count_reward_model(cfg: Any) -> int:

@@ -14,9 +14,11 @@ formulas are the libraries' own layouts (each checked against the library on CPU
   state only, and a LoRA run has few of either).
 - **fsdp2** (``fully_shard`` per decoder layer and on the root, as accelerate's transformer-based
   wrap does): each rank keeps 1/world of every parameter; a layer is all-gathered before its forward
-  and again before its backward, and the next layer's gather is prefetched, so two layers are
-  unsharded at once; the root's own parameters (embeddings, LM head, final norm) are gathered at the
-  first forward and stay until backward ends. Generation runs the sharded model: every decoding step
+  and again before its backward, and a group's all-gather buffer lives until the next group's
+  copy-out, so two layers' worth is unsharded at once; the root's own parameters (embeddings, LM
+  head, final norm) are gathered at the first forward and stay until backward ends, and the first
+  layer's gather overlaps the root's buffer: max(2 root + layer, root + 2 layers) (measured with
+  torch's ``FSDPMemTracker`` over gloo). Generation runs the sharded model: every decoding step
   gathers every layer again (TRL's ``summon_full_params`` is a no-op for FSDP2).
 - **zero3**: 1/world of every parameter; a module's parameters are gathered when it runs plus a
   prefetch bucket (accelerate's ``auto``: 0.9 x hidden^2 elements). TRL's default
@@ -36,6 +38,16 @@ __all__ = ["QUANTIZATIONS", "SHARDINGS", "Layout", "RoundCost", "quantized_bytes
 SHARDINGS = ("ddp", "zero2", "fsdp2", "zero3")
 QUANTIZATIONS = (None, "int8", "nf4")
 _NF4_BLOCK, _NESTED_BLOCK = 64, 256
+
+
+def _nf4_tensor_bytes(n: int, double_quant: bool) -> int:
+    """One ``Params4bit`` as bitsandbytes stores it: packed 4-bit data, the absmax per block of 64, the
+    16-entry code; with double quantization the absmax in 8 bits, an fp32 scale per 256 blocks and the
+    256-entry nested code."""
+    blocks = -(-n // _NF4_BLOCK)
+    if not double_quant:
+        return -(-n // 2) + 4 * blocks + 4 * 16
+    return -(-n // 2) + blocks + 4 * -(-blocks // _NESTED_BLOCK) + 4 * 16 + 4 * 256
 
 
 def quantized_bytes_per_weight(quantization: str | None, double_quant: bool = True) -> float | None:
@@ -102,10 +114,16 @@ class Layout:
         """The whole frozen base in this precision: decoder Linears, one layer, the root's own parameters."""
         per_weight = quantized_bytes_per_weight(self.quantization, self.double_quant)
         other = params.frozen - params.linear_frozen
+        weights = sum(params.linear_sizes)
+        biases = params.linear_frozen - weights  # stay in the compute dtype
         if per_weight is None:
             linear = params.linear_frozen * w_bytes
+        elif self.quantization == "int8":
+            linear = weights + 4 * params.linear_rows + biases * w_bytes
+        elif params.linear_sizes:
+            linear = sum(_nf4_tensor_bytes(n, self.double_quant) for n in params.linear_sizes) + biases * w_bytes
         else:
-            linear = params.linear_frozen * per_weight + (4 * params.linear_rows if self.quantization == "int8" else 0)
+            linear = params.linear_frozen * per_weight
         layers = max(params.layers, 1)
         root = other - layers * params.layer_other  # embeddings, LM head, final norm
         layer = linear / layers + params.layer_other * w_bytes
@@ -126,7 +144,11 @@ class Layout:
         b = self.base_bytes(params, w_bytes)
         staging = b["layer"] / world_size if self.offload_base else 0
         if self.sharding == "fsdp2":
-            return int(b["root"] + 2 * b["layer"] + staging)
+            # A group's all-gather buffer lives until the next group's copy-out (FSDP2's all_gather_state),
+            # so the first layer's gather overlaps the root's buffer: 2 roots + a layer, else root + 2 layers.
+            # The LoRA weights of a layer (fp32) are gathered with it.
+            layer = b["layer"] + 4 * params.trainable / max(params.layers, 1)
+            return int(max(2 * b["root"] + layer, b["root"] + 2 * layer) + staging)
         if phase == "generation" and self.gather_for_generation:
             return int(b["total"])  # GatheredParameters(model.parameters()) around generate
         prefetch = min(0.9 * hidden * hidden * w_bytes, b["layer"])
