@@ -118,3 +118,24 @@ def test_plan_exits_1_naming_the_component_over_and_by_how_much(capsys):
 def test_plan_on_a_roomy_gpu_prefers_plain_ddp():
     result = plan("qwen2.5-0.5b", grpo_config=SMALL, world_size=2, gpu_memory_gb=80, prompt_length=128)
     assert result.best.layout == Layout("ddp") and not result.best.checkpointing and result.best.seconds == 0
+
+
+@pytest.mark.parametrize(("env", "expected"), [
+    ({}, {"sharding": "ddp", "offload_base": False}),
+    ({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_OFFLOAD_PARAMS": "true"},
+     {"sharding": "fsdp2", "offload_base": True}),
+    ({"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3",
+      "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE": "cpu"}, {"sharding": "zero3", "offload_base": True}),
+    ({"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2"},
+     {"sharding": "zero2", "offload_base": False}),
+])
+def test_auto_layout_is_read_from_accelerate_launch(monkeypatch, env, expected):
+    from grpo_patches.preflight.layout import layout_from_environment
+
+    for name in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"):
+        monkeypatch.delenv(name, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert layout_from_environment() == expected
+    report = preflight("qwen2-1.5b", grpo_config=SMALL, world_size=4, warn=False, prompt_length=128)
+    assert report.settings["layout"].startswith(expected["sharding"])

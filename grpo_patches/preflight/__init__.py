@@ -66,7 +66,7 @@ from typing import Any
 import torch
 
 from grpo_patches.grouping import GroupShapeError, check_group_shape, resolve_steps_per_generation
-from grpo_patches.preflight.layout import Layout
+from grpo_patches.preflight.layout import Layout, layout_from_environment
 
 _DDP = Layout()
 
@@ -721,10 +721,10 @@ def preflight(
     raise_on_error: bool = True,
     warn: bool = True,
     fast_generation: bool = False,
-    sharding: str = "ddp",
+    sharding: str = "auto",
     quantization: str | None = None,
     double_quant: bool = True,
-    offload_base: bool = False,
+    offload_base: bool | None = None,
 ) -> PreflightReport:
     """Predict each rank's peak memory by component and check the run's shape before it starts.
 
@@ -736,9 +736,11 @@ def preflight(
     ``max_prompt_length``, else 256); ``dtype``: the frozen weights' dtype (default: the config's
     ``model_init_kwargs`` dtype, else bf16 when bf16 is on); ``fast_generation``: the run uses
     ``apply(fast_generation=...)``, whose static KV cache (prompt rounded up to 64 + completion)
-    stays allocated through training. ``sharding`` ("ddp", "zero2", "fsdp2", "zero3"),
+    stays allocated through training. ``sharding`` ("ddp", "zero2", "fsdp2", "zero3"; "auto":
+    what ``accelerate launch`` set up, else ddp),
     ``quantization`` (None, "nf4", "int8": a bitsandbytes base, ``double_quant`` for nf4) and
-    ``offload_base`` (frozen shards in host memory, fsdp2 / zero3) place the frozen base
+    ``offload_base`` (frozen shards in host memory, fsdp2 / zero3; None: from accelerate's
+    environment under "auto", else False) place the frozen base
     (:class:`~grpo_patches.preflight.layout.Layout`); under ZeRO-3 the config's
     ``ds3_gather_for_generation`` (TRL's default True) decides whether generation gathers the whole
     model. Unknown GRPO setting names raise ``TypeError`` with close matches.
@@ -761,8 +763,12 @@ def preflight(
 
     g = grpo_config
     check_setting_names(g)
+    if sharding == "auto":
+        detected = layout_from_environment()
+        sharding = detected["sharding"]
+        offload_base = detected["offload_base"] if offload_base is None else offload_base
     layout = Layout(sharding=sharding, quantization=quantization, double_quant=double_quant,
-                    offload_base=offload_base,
+                    offload_base=bool(offload_base),
                     gather_for_generation=bool(_setting(g, "ds3_gather_for_generation", True)))
     cfg = load_model_config(model_config)
     arch = _arch(cfg)

@@ -194,3 +194,22 @@ class RoundCost:
     def seconds(self, *, link_gbps: float, host_gbps: float, hbm_gbps: float, tflops: float) -> float:
         return (self.gather_bytes / (link_gbps * 1e9) + self.host_bytes / (host_gbps * 1e9)
                 + self.dequant_bytes / (hbm_gbps * 1e9) + self.recompute_flops / (tflops * 1e12))
+
+
+def layout_from_environment(environ: Any = None) -> dict[str, Any]:
+    """``sharding`` and ``offload_base`` from the variables ``accelerate launch`` sets for its config
+    (ACCELERATE_USE_FSDP + FSDP_VERSION + FSDP_OFFLOAD_PARAMS; ACCELERATE_USE_DEEPSPEED +
+    ACCELERATE_DEEPSPEED_ZERO_STAGE + ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE); ddp otherwise.
+    FSDP1 and ZeRO stages 0/1 are reported as the nearest modelled layout (fsdp2 / ddp)."""
+    import os
+
+    env = os.environ if environ is None else environ
+    on = lambda name: str(env.get(name, "false")).lower() in ("1", "true", "yes")  # noqa: E731
+    if on("ACCELERATE_USE_DEEPSPEED"):
+        stage = int(env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2") or 2)
+        sharding = "zero3" if stage == 3 else ("zero2" if stage == 2 else "ddp")
+        offload = sharding == "zero3" and env.get("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "none") == "cpu"
+        return {"sharding": sharding, "offload_base": offload}
+    if on("ACCELERATE_USE_FSDP"):
+        return {"sharding": "fsdp2", "offload_base": on("FSDP_OFFLOAD_PARAMS")}
+    return {"sharding": "ddp", "offload_base": False}
