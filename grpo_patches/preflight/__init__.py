@@ -640,6 +640,12 @@ def _estimate(
         lora_params, grad_copy = 4 * trainable // w, 0
         lora_grads = 4 * trainable // w
         optimizer_state = int(_optimizer_bytes_per_param(optim) * trainable / w)
+    elif layout.quantization is not None:
+        # TRL (1.x) casts the adapter of a quantized model to bf16 (QLoRA paper): bf16 weights, gradients and
+        # AdamW moments (torch keeps the moments in the parameter's dtype).
+        lora_params, grad_copy = 2 * trainable, (2 * trainable if w > 1 else 0)
+        lora_grads = 2 * trainable + grad_copy
+        optimizer_state = int(_optimizer_bytes_per_param(optim) / 2 * trainable)
     else:
         lora_params, grad_copy = 4 * trainable, (4 * trainable if w > 1 else 0)  # DDP's gradient buckets
         lora_grads = 4 * trainable + grad_copy
