@@ -18,6 +18,10 @@ activations kept:
 - gradient checkpointing's second forward, ``2 x parameters x tokens`` FLOPs per micro-batch, at
   ``tflops``.
 
+Ranking: combinations that fit with S8's 2 GiB free on every GPU come first, then those that fit
+tighter; within each, cheapest first; at equal cost the simpler setup (ddp, fsdp2, zero2, zero3; no
+quantization) and then the smaller peak.
+
 Passes per round: ``completion_length`` decoding steps (TRL's FSDP2 and ``ds3_gather_for_generation=
 False`` paths gather every layer at each one; the default ZeRO-3 path gathers the model once), then
 per micro-batch a forward and a backward, plus a reference forward when ``beta > 0``. Quantization
@@ -78,6 +82,11 @@ class PlanEntry:
     def worst(self) -> Any:
         return max(self.report.ranks, key=lambda r: r.required)
 
+    @property
+    def tight(self) -> bool:
+        """Fits, but some GPU keeps under S8's 2 GiB free."""
+        return self.fits and min(r.headroom or 0 for r in self.report.ranks) < 2 * GiB
+
     def label(self) -> str:
         text = self.layout.label() + (" ckpt" if self.checkpointing else "")
         return text + (f" rewards={self.placement}" if self.placement != "local" else "")
@@ -92,7 +101,8 @@ class PlanEntry:
                        else "offload_param_device: cpu")
         if self.layout.quantization == "nf4":
             out.append("BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4', "
-                       f"bnb_4bit_use_double_quant={self.layout.double_quant})")
+                       f"bnb_4bit_use_double_quant={self.layout.double_quant}"
+                       + (", bnb_4bit_quant_storage=torch.bfloat16" if self.layout.sharded else "") + ")")
         elif self.layout.quantization == "int8":
             out.append("BitsAndBytesConfig(load_in_8bit=True)")
         if self.layout.sharding == "zero3" and not self.layout.gather_for_generation:
@@ -152,7 +162,7 @@ class Plan:
         for i, e in enumerate(shown, 1):
             c = e.cost
             rows.append((str(i), e.label(), f"{e.worst.peak / GiB:.2f} ({e.worst.peak_phase})",
-                         f"{e.required / GiB:.2f}", "yes" if e.fits else "NO",
+                         f"{e.required / GiB:.2f}", ("tight" if e.tight else "yes") if e.fits else "NO",
                          f"{e.seconds:.1f}", f"{c.gather_bytes / 1e9:.0f}", f"{c.host_bytes / 1e9:.0f}",
                          f"{c.dequant_bytes / 1e9:.0f}", f"{c.recompute_flops / 1e12:.0f}",
                          f"{e.report.settings['host_weights_gb']:.1f}"))
@@ -166,7 +176,8 @@ class Plan:
                 f"{cm.tflops:g} TFLOPS (grpo_patches/preflight/plan.py)"]
         if self.best is not None:
             b = self.best
-            head.append(f"cheapest that fits: {b.label()} -> {b.settings()}")
+            head.append(f"cheapest that fits{' (under 2 GiB free: S8)' if b.tight else ''}: {b.label()} -> "
+                        f"{b.settings()}")
             if b.layout.quantization:
                 head.append("  (a quantized base trains the adapter on a quantized model: QLoRA)")
         else:
@@ -227,8 +238,10 @@ def plan(model_config: Any, *, grpo_config: Any = None, world_size: int = 1, gpu
             tokens = batch * (s["prompt_length"] + completion)
             cost = dataclasses.replace(cost, recompute_flops=steps * 2 * report.params.total * tokens)
         entries.append(PlanEntry(layout, ckpt, placement, report, cost, cost_model.seconds(cost)))
-    # Equal cost: the simpler setup first (no DeepSpeed, no quantization), then the smaller peak.
-    entries.sort(key=lambda e: (not e.fits, e.seconds if e.fits else e.required,
+    # Fits that keep S8's 2 GiB free per GPU first; then by cost; at equal cost the simpler setup (no
+    # DeepSpeed, no quantization), then the smaller peak.
+    entries.sort(key=lambda e: (not e.fits, e.tight,
+                                e.seconds if e.fits else e.required,
                                 ("ddp", "fsdp2", "zero2", "zero3").index(e.layout.sharding)
                                 + (e.layout.quantization is not None), e.required))
     capacity = int(gpu_memory_gb * GiB)
