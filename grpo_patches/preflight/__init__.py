@@ -35,10 +35,13 @@ per_device_train_batch_size, S = steps_per_generation, P / C = prompt / completi
 - No reference model: with PEFT, TRL gets reference log-probs by disabling the adapter (beta > 0),
   and beta defaults to 0.0 in recent TRL.
 
-Per rank, the peak is the largest of three phases, each on top of the resident memory (weights,
+Per rank, the peak is the largest of four phases, each on top of the resident memory (weights,
 LoRA params, optimizer state, reward weights on that rank): generation (+ KV cache + generation
-transient), scoring (+ reward scoring), training (+ LoRA grads + activations + logits + autocast
-cache). ``peak`` is comparable with ``torch.cuda.max_memory_allocated()``; ``fits`` also adds
+transient), scoring (+ reward scoring), training, i.e. loss / backward (+ LoRA grads + activations
++ logits + autocast cache), optimizer (+ LoRA grads + AdamW temporaries). How the frozen base is
+laid out past one GPU (FSDP2, ZeRO-2/3, CPU offload, nf4 / int8 bases) is :mod:`.layout`: it sets
+``weights`` (what stays on the GPU), ``gathered_weights`` (unsharded while the base runs, per
+phase) and ``dequant_transient``; :mod:`.plan` ranks every layout for ``doctor --plan``. ``peak`` is comparable with ``torch.cuda.max_memory_allocated()``; ``fits`` also adds
 ``overhead_gb`` (CUDA context, NCCL buffers) and ``fragmentation`` (allocator slack) on top.
 
 ``_ACT_COEF`` holds one table per device kind, each measured on that device by summing the unique
