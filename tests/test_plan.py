@@ -141,3 +141,16 @@ def test_auto_layout_is_read_from_accelerate_launch(monkeypatch, env, expected):
     assert layout_from_environment() == expected
     report = preflight("qwen2-1.5b", grpo_config=SMALL, world_size=4, warn=False, prompt_length=128)
     assert report.settings["layout"].startswith(expected["sharding"])
+
+
+def test_readme_shows_the_current_plan_output(capsys):
+    """README's --plan block is this command's output (first lines), so it cannot go stale."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = text.split("$ grpo-patches doctor --model llama-3.1-70b", 1)[1].split("\n...\n", 1)[0]
+    command, shown = block.split("\n", 2)[:2], block.split("\n", 2)[2]
+    args = ["doctor", "--model", "llama-3.1-70b"] + (command[0] + " " + command[1]).replace("\\", " ").split()
+    assert cli_main(args) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(shown), "README's plan output is stale: paste the new output"
