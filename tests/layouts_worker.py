@@ -68,9 +68,12 @@ def zero(rank: int, world: int, stage: int) -> dict:
     import torch._dynamo  # noqa: F401
     import transformers.generation.utils  # noqa: F401
 
-    ds_config = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
-                 "zero_optimization": {"stage": stage}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4,
-                 "torch_adam": True}}}
+    hidden = CONFIG["hidden_size"]
+    # the values transformers' "auto" fills in for ZeRO-3 (accelerate's zero3.yaml)
+    zero = {"stage": stage, "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
+            "stage3_param_persistence_threshold": 10 * hidden}
+    ds_config = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True}, "zero_optimization": zero,
+                 "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}}}
     if stage == 3:  # as transformers does under ZeRO-3; the adapter in bf16 like the base (one dtype per partition)
         with deepspeed.zero.Init(config_dict_or_path=ds_config):
             model = build(adapter_dtype_fp32=False)
@@ -84,10 +87,29 @@ def zero(rank: int, world: int, stage: int) -> dict:
     else:
         frozen = sum(p.numel() * p.element_size() for n, p in params if "lora_" not in n)
     ids = torch.randint(0, CONFIG["vocab_size"], (1, 16))
-    loss = engine(input_ids=ids, labels=ids).loss
-    engine.backward(loss)
+    live: list[int] = []
+    if stage == 3:  # DeepSpeed's own view: frozen parameters gathered (AVAILABLE) inside each matmul / lookup
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+        frozen_params = [p for n, p in params if "lora_" not in n]
+        available = ZeroParamStatus.AVAILABLE
+
+        def count(fn):
+            def wrapped(*a, **k):
+                live.append(sum(p.numel() * p.element_size() for p in frozen_params if p.ds_status == available))
+                return fn(*a, **k)
+            return wrapped
+
+        linear, embedding = torch.nn.functional.linear, torch.nn.functional.embedding
+        torch.nn.functional.linear, torch.nn.functional.embedding = count(linear), count(embedding)
+    try:
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+    finally:
+        if stage == 3:
+            torch.nn.functional.linear, torch.nn.functional.embedding = linear, embedding
     engine.step()
-    return dict(frozen_shard_bytes=frozen, loss=float(loss))
+    return dict(frozen_shard_bytes=frozen, loss=float(loss), gathered=max(live, default=0))
 
 
 def main() -> int:

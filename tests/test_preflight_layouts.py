@@ -3,7 +3,8 @@
 - FSDP2: ``fully_shard`` over gloo, 2 processes; the per-rank shards and torch's own
   ``FSDPMemTracker`` (unsharded parameters + all-gather buffers while each layer runs).
 - DeepSpeed ZeRO-2 / ZeRO-3 (CPU accelerator, gloo, 2 processes): each parameter's partition
-  (``ds_tensor``), and a real forward / backward / step.
+  (``ds_tensor``), a real forward / backward / step, and (ZeRO-3) the frozen parameters DeepSpeed
+  holds gathered at each matmul of the forward (the largest module + the prefetch bucket).
 - bitsandbytes nf4 (double quantization) and int8: a model loaded through transformers'
   ``BitsAndBytesConfig`` on CPU, every stored tensor counted (data, absmax, codes, row scales).
 
@@ -57,6 +58,10 @@ def test_zero_partitions_match_deepspeed(stage):
     for data in _ranks(f"zero{stage}"):
         assert data["frozen_shard_bytes"] == layout.gpu_weights(counts, 2, 2)
         assert torch.isfinite(torch.tensor(data["loss"]))
+        if stage == 3:  # frozen parameters DeepSpeed holds gathered (AVAILABLE) at any matmul / lookup
+            assert data["gathered"] > 0
+            assert layout.gathered(counts, 2, 2, CONFIG["hidden_size"], "training") == pytest.approx(
+                data["gathered"], rel=0.15)
 
 
 @pytest.mark.skipif(NEEDS["bitsandbytes"], reason="bitsandbytes not installed: runs in `nox -s layouts`")
