@@ -154,3 +154,14 @@ def test_readme_shows_the_current_plan_output(capsys):
     assert cli_main(args) == 0
     out = capsys.readouterr().out
     assert out.startswith(shown), "README's plan output is stale: paste the new output"
+
+
+def test_plan_varies_reward_placement_where_the_kit_allows_it():
+    result = plan("qwen2-1.5b", grpo_config=SMALL, world_size=2, gpu_memory_gb=80, prompt_length=128,
+                  reward_models=["qwen2.5-0.5b"])
+    mains = {e.layout.sharding for e in result.entries if e.placement == "main"}
+    assert mains == {"ddp", "fsdp2"}  # main placement with a reward model is refused under DeepSpeed
+    local = next(e for e in result.entries if e.layout == Layout("ddp") and e.placement == "local")
+    main = next(e for e in result.entries if e.layout == Layout("ddp") and e.placement == "main"
+                and e.checkpointing == local.checkpointing)
+    assert main.report.ranks[1].components["reward_weights"] == 0 < local.report.ranks[1].components["reward_weights"]
