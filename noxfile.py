@@ -190,7 +190,7 @@ else:
 """
 
 
-LAYOUT_DEPS = ("deepspeed", "bitsandbytes")  # pyproject extra "layouts"
+LAYOUT_DEPS = ("deepspeed==0.19.8", "bitsandbytes==0.50.2")  # the tested versions of pyproject's extra "layouts"
 
 
 @nox.session(tags=["layouts"], reuse_venv=False, default=False)

@@ -14,7 +14,8 @@ per phase and the error (target: within +-15%).
 Layouts: ``bf16`` (the control: DDP-style replica), ``nf4`` (bitsandbytes 4-bit, double
 quantization), ``int8``, ``fsdp2-offload`` (FSDP2 + CPUOffloadPolicy), ``zero3`` (TRL's default
 whole-model gather for generation), ``zero3-layerwise`` (``ds3_gather_for_generation=False``),
-``zero3-offload`` (``offload_param_device: cpu``). The device image has no deepspeed / bitsandbytes:
+``zero3-offload`` (``offload_param_device: cpu``), ``zero3-nf4`` (4-bit base under ZeRO-3 with
+layer-wise generation: what ``--plan`` names for the article's 70B on 4 x 24 GB). The device image has no deepspeed / bitsandbytes:
 carry their wheels (see benchmarks/results/README of the run, or the device command in
 docs/defaults_preflight_monitor.md).
 """
@@ -46,13 +47,17 @@ LAYOUTS = {
     "zero3": ("zero3", {"sharding": "zero3"}, {}, None),
     "zero3-layerwise": ("zero3", {"sharding": "zero3"}, {"ds3_gather_for_generation": False}, None),
     "zero3-offload": ("zero3", {"sharding": "zero3", "offload_base": True}, {}, None),
+    # the README's plan for the article's 70B: 4-bit base under ZeRO-3, layer-wise generation
+    "zero3-nf4": ("zero3", {"sharding": "zero3", "quantization": "nf4"}, {"ds3_gather_for_generation": False},
+                  dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                       bnb_4bit_compute_dtype="bfloat16", bnb_4bit_quant_storage="bfloat16")),
 }
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--policy", default="1.5b")
-    p.add_argument("--layouts", default="bf16,nf4,fsdp2-offload,zero3,zero3-layerwise,zero3-offload")
+    p.add_argument("--layouts", default="bf16,nf4,fsdp2-offload,zero3,zero3-layerwise,zero3-offload,zero3-nf4")
     p.add_argument("--per-device-batch", type=int, default=8)
     p.add_argument("--num-generations", type=int, default=8)
     p.add_argument("--completion-len", type=int, default=256)
@@ -131,8 +136,9 @@ def worker(args) -> int:
     init = {"dtype": torch.bfloat16 if cuda else torch.float32}
     if quant:
         q = dict(quant)
-        if "bnb_4bit_compute_dtype" in q:
-            q["bnb_4bit_compute_dtype"] = torch.bfloat16
+        for key in ("bnb_4bit_compute_dtype", "bnb_4bit_quant_storage"):
+            if key in q:
+                q[key] = torch.bfloat16
         init["quantization_config"] = BitsAndBytesConfig(**q)
     grpo_patches.apply(reward_placement="local")
     model = AutoModelForCausalLM.from_pretrained(args.policy_dir, **init)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# preflight_sharded_accuracy.py on one H200: nf4 / int8 bases, FSDP2 + CPU offload, ZeRO-3 (whole-model
-# and layer-wise generation gather, param offload) at world size 1, each against preflight.
+# preflight_sharded_accuracy.py on one H200: nf4 base, FSDP2 + CPU offload, ZeRO-3 (whole-model and
+# layer-wise generation gather, param offload, nf4 base) at world size 1, each against preflight.
 #
 #   bash benchmarks/preflight_sharded_device.sh fetch     # HERE: the wheels the device image lacks -> .whl/sharded/
 #   bash benchmarks/preflight_sharded_device.sh run       # ON THE DEVICE (see below)
@@ -36,7 +36,7 @@ run)
   python -c "import deepspeed, bitsandbytes, trl; print('deepspeed', deepspeed.__version__, 'bnb', bitsandbytes.__version__, 'trl', trl.__version__)"
   OUTDIR="${OUT:-benchmarks/results}/preflight-sharded"
   python benchmarks/preflight_sharded_accuracy.py --policy 1.5b --out "$OUTDIR" --timeout 420 \
-      --layouts bf16,nf4,fsdp2-offload,zero3,zero3-layerwise,zero3-offload || true
+      --layouts bf16,nf4,fsdp2-offload,zero3,zero3-layerwise,zero3-offload,zero3-nf4 || true
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUTDIR/gpu.csv" || true
   ;;
 esac
