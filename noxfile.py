@@ -214,3 +214,20 @@ except grpo_patches.UnsupportedVersionError as exc:
 else:
     raise SystemExit("an unknown TRL release was patched without GRPO_PATCHES_ALLOW_UNKNOWN=1")
 """
+
+
+LAYOUT_DEPS = ("deepspeed==0.19.8", "bitsandbytes==0.50.2")  # the tested versions of pyproject's extra "layouts"
+
+
+@nox.session(tags=["layouts"], reuse_venv=False, default=False)
+def layouts(session: nox.Session) -> None:
+    """Preflight's layouts against DeepSpeed (ZeRO-2/3, CPU accelerator) and bitsandbytes (nf4 / int8)
+    on CPU, and the kit under DeepSpeed: the newest tested TRL row plus the ``layouts`` extra. Apart
+    from the matrix because DeepSpeed compiles a CPU op on first use (a minute or more)."""
+    newest = max(COMPAT["supported"], key=lambda v: tuple(int(x) for x in v.split(".")))
+    row = COMPAT["supported"][newest]
+    _install(session, newest, {name: row[name] for name in PINNED}, None)
+    session.install(*LAYOUT_DEPS, "tokenizers", "--override", _no_torch_override(session))
+    _versions(session)
+    command = session.posargs or ["pytest", "-q", "tests/test_preflight_layouts.py", "tests/test_deepspeed.py"]
+    session.run(*command, env={"GRPO_PATCHES_TRL_VERSION": newest})

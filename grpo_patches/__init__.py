@@ -49,7 +49,7 @@ __all__ = [
 ]
 
 _LAZY = {  # heavier imports (transformers, peft), loaded on first use
-    "preflight": ("grpo_patches.preflight", "preflight"),
+    "preflight": ("grpo_patches.preflight", None),  # the module, callable as preflight() (preflight/__init__.py)
     "GRPOMonitorCallback": ("grpo_patches.monitor", "GRPOMonitorCallback"),
     "defaults": ("grpo_patches.defaults", None),
 }

@@ -3,6 +3,8 @@
 ``grpo-patches doctor`` runs :func:`grpo_patches.preflight.preflight` and prints the component x rank
 memory table; it exits 1 when the run would fail (a group split across ranks, a predicted peak over
 ``--gpu-memory-gb``), so it can gate a launch script: ``grpo-patches doctor ... && accelerate launch``.
+``--plan`` tries every layout (:mod:`grpo_patches.preflight.plan`) and exits 1 when none fits. Bad
+input (a misspelt ``--set`` name, a bad value) exits 2 with the reason.
 """
 
 from __future__ import annotations
@@ -58,10 +60,24 @@ def _add_doctor(sub: Any) -> None:
                    help="how the trainer computes log-probs: TRL's fused LM head or full logits (default: detect)")
     p.add_argument("--fast-generation", action="store_true",
                    help="the run uses apply(fast_generation=...): its static KV cache stays resident")
+    p.add_argument("--sharding", choices=("ddp", "zero2", "fsdp2", "zero3"), default="ddp",
+                   help="how the frozen base is placed over the ranks (default ddp: a full copy per rank)")
+    p.add_argument("--quantization", choices=("nf4", "int8"), help="a bitsandbytes base (QLoRA); nf4 uses double quantization")
+    p.add_argument("--no-double-quant", dest="double_quant", action="store_false", help="nf4 without double quantization")
+    p.add_argument("--offload-base", action="store_true", help="frozen shards in host memory (fsdp2 / zero3)")
+    p.add_argument("--plan", action="store_true",
+                   help="try every sharding x base precision x offload x checkpointing x reward placement, print those "
+                   "that fit, cheapest first; exit 1 when none fits")
+    for name, default, what in (("link-gbps", 10.0, "GPU interconnect GB/s per GPU"),
+                                ("host-gbps", 10.0, "host->GPU GB/s per GPU"),
+                                ("hbm-gbps", 900.0, "GPU memory GB/s"), ("tflops", 70.0, "GPU bf16 TFLOPS")):
+        p.add_argument(f"--{name}", type=float, default=default, help=f"--plan cost model: {what} (default {default:g})")
     p.set_defaults(func=_doctor)
 
 
 def _doctor(args: argparse.Namespace) -> int:
+    if args.plan and args.gpu_memory_gb is None:
+        raise ValueError("--plan needs --gpu-memory-gb (memory per GPU in GiB).")
     from grpo_patches.defaults import lora_config
     from grpo_patches.preflight import RewardModelSpec, preflight
 
@@ -71,6 +87,16 @@ def _doctor(args: argparse.Namespace) -> int:
     settings.update(dict(args.settings))
     lora = lora_config(**dict(args.lora)) if args.lora else None
     rewards = [RewardModelSpec(config=c, dtype=args.reward_dtype) for c in args.reward_model]
+    if args.plan:
+        from grpo_patches.preflight.plan import CostModel, plan
+
+        result = plan(args.model, grpo_config=settings or None, lora_config=lora, world_size=args.world_size,
+                      gpu_memory_gb=args.gpu_memory_gb, reward_models=rewards, dataset_size=args.dataset_size,
+                      prompt_length=args.prompt_length, dtype=args.dtype, logits_mode=args.logits_mode,
+                      fast_generation=args.fast_generation,
+                      cost_model=CostModel(args.link_gbps, args.host_gbps, args.hbm_gbps, args.tflops))
+        print(result)
+        return 0 if result.best is not None else 1
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the report prints its warnings itself
         report = preflight(
@@ -86,6 +112,10 @@ def _doctor(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             logits_mode=args.logits_mode,
             fast_generation=args.fast_generation,
+            sharding=args.sharding,
+            quantization=args.quantization,
+            double_quant=args.double_quant,
+            offload_base=args.offload_base,
             raise_on_error=False,
             warn=False,
         )

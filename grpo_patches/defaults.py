@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from grpo_patches.grouping import check_group_shape
+from grpo_patches.grouping import check_group_shape, resolve_steps_per_generation
 
 __all__ = [
     "ARTICLE_LORA_SETTINGS",
@@ -313,14 +313,8 @@ def _check_settings_group_shape(s: Mapping[str, Any], fields: set[str]) -> None:
     ``accelerate launch`` / ``torchrun``)."""
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     batch = s["per_device_train_batch_size"]
-    if "steps_per_generation" not in fields:
-        steps = 1  # TRL < 0.19: each micro-batch generates its own groups
-    elif s.get("steps_per_generation"):
-        steps = s["steps_per_generation"]
-    elif s.get("generation_batch_size"):
-        steps = max(1, s["generation_batch_size"] // (batch * world))
-    else:
-        steps = s["gradient_accumulation_steps"]
+    # TRL < 0.19 has no steps_per_generation: each micro-batch generates its own groups.
+    steps = resolve_steps_per_generation(s, world_size=world) if "steps_per_generation" in fields else 1
     check_group_shape(per_device_batch_size=batch, steps_per_generation=steps,
                       num_generations=s["num_generations"], world_size=world, mode="train")
 

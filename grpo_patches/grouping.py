@@ -12,14 +12,20 @@ resumed run sees the same order. No TRL import here.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Sized
+from collections.abc import Callable, Iterator, Mapping, Sized
 from typing import Any
 
 import torch
 from torch.utils.data import Sampler
 
-__all__ = ["GroupShapeError", "RankLocalGroupSampler", "check_group_shape", "epoch_of_state",
-           "nearest_valid_settings"]
+__all__ = [
+    "GroupShapeError",
+    "RankLocalGroupSampler",
+    "check_group_shape",
+    "epoch_of_state",
+    "nearest_valid_settings",
+    "resolve_steps_per_generation",
+]
 
 
 class GroupShapeError(ValueError):
@@ -51,6 +57,43 @@ def nearest_valid_settings(per_device_batch_size: int, steps_per_generation: int
         best = sorted(divisors, key=lambda d: (abs(d - g), -d))[:2]
         out.append("num_generations=" + " or ".join(str(v) for v in sorted(best)))
     return out
+
+
+def resolve_steps_per_generation(settings: Any, *, world_size: int) -> int:
+    """Micro-batches per generation round, derived as TRL's ``GRPOConfig.__post_init__`` (0.19+) does.
+
+    ``settings``: a mapping of GRPO settings or a config object. ``steps_per_generation`` when set;
+    else ``generation_batch_size / (per_device_train_batch_size * world_size)``; else
+    ``gradient_accumulation_steps`` (default 1). A mapping that sets both, or a generation batch that
+    is not a whole number of global batches, is refused as TRL refuses it. A built ``GRPOConfig`` has
+    both filled in by TRL: there ``steps_per_generation`` is read. The one place the kit derives it
+    (preflight, ``grpo-patches doctor``, defaults and the TRL adapters' shape readers).
+    """
+    def get(name: str) -> Any:
+        value = settings.get(name) if isinstance(settings, Mapping) else getattr(settings, name, None)
+        return None if value is None else int(value)
+
+    steps, gen_batch = get("steps_per_generation"), get("generation_batch_size")
+    if steps is not None and gen_batch is not None and isinstance(settings, Mapping):
+        raise ValueError(
+            f"grpo_patches: steps_per_generation={steps} and generation_batch_size={gen_batch} are both set; TRL "
+            f"accepts one of them (generation_batch_size = per_device_train_batch_size x world_size x "
+            f"steps_per_generation). Drop one."
+        )
+    if steps is not None:
+        if steps < 1:
+            raise ValueError(f"grpo_patches: steps_per_generation={steps} must be >= 1.")
+        return steps
+    if gen_batch is not None:
+        per_step = (get("per_device_train_batch_size") or 1) * world_size
+        if gen_batch < 1 or gen_batch % per_step:
+            raise ValueError(
+                f"grpo_patches: generation_batch_size={gen_batch} must be a positive multiple of the global batch "
+                f"per_device_train_batch_size x world_size = {per_step} (as TRL requires); nearest: "
+                f"{max(per_step, gen_batch // per_step * per_step)} or {-(-gen_batch // per_step) * per_step}."
+            )
+        return gen_batch // per_step
+    return get("gradient_accumulation_steps") or 1
 
 
 def check_group_shape(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -116,11 +117,20 @@ def init_wrapper(shape_of: Callable[[Any], GroupShape], *,
                     "grpo_patches: reward_placement='main' cannot be used with environment_factory: environments "
                     "are per-rank objects that cannot be sent to the main process. Use reward_placement='local'."
                 )
-            if state.distributed_type == DistributedType.DEEPSPEED:
+            funcs = bound.arguments.get("reward_funcs")
+            models = [f for f in (funcs if isinstance(funcs, list) else [funcs]) if isinstance(f, (str, nn.Module))]
+            # GRPOConfig(deepspeed=...) turns DeepSpeed on inside Trainer.__init__, after this check runs
+            deepspeed = (state.distributed_type == DistributedType.DEEPSPEED or bool(getattr(config, "deepspeed", None))
+                         or os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true")
+            if deepspeed and models:
+                # Rule-based functions need no engine, so main placement works for them under DeepSpeed.
                 raise ValueError(
-                    "grpo_patches: reward_placement='main' cannot be used with DeepSpeed: TRL initializes reward "
-                    "models with deepspeed.initialize, a collective every rank must join. Use "
-                    "reward_placement='local', or FSDP/DDP."
+                    "grpo_patches: reward_placement='main' with a reward model cannot be used under DeepSpeed: "
+                    "TRL wraps every reward model in deepspeed.initialize (and, under ZeRO-3, transformers loads a "
+                    "named one inside zero.Init), collectives every rank must join, so a model kept on the main "
+                    "process alone would hang the others. Use reward_placement='local' (under ZeRO-3 each rank then "
+                    "holds 1/world of the reward model), or main placement under FSDP2 / DDP "
+                    "(examples/accelerate/fsdp2.yaml, ddp.yaml). Rule-based reward functions may stay on 'main'."
                 )
             bound.arguments["reward_funcs"] = main_only_reward_funcs(
                 bound.arguments.get("reward_funcs"), state.is_main_process

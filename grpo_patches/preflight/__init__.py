@@ -35,10 +35,13 @@ per_device_train_batch_size, S = steps_per_generation, P / C = prompt / completi
 - No reference model: with PEFT, TRL gets reference log-probs by disabling the adapter (beta > 0),
   and beta defaults to 0.0 in recent TRL.
 
-Per rank, the peak is the largest of three phases, each on top of the resident memory (weights,
+Per rank, the peak is the largest of four phases, each on top of the resident memory (weights,
 LoRA params, optimizer state, reward weights on that rank): generation (+ KV cache + generation
-transient), scoring (+ reward scoring), training (+ LoRA grads + activations + logits + autocast
-cache). ``peak`` is comparable with ``torch.cuda.max_memory_allocated()``; ``fits`` also adds
+transient), scoring (+ reward scoring), training, i.e. loss / backward (+ LoRA grads + activations
++ logits + autocast cache), optimizer (+ LoRA grads + AdamW temporaries). How the frozen base is
+laid out past one GPU (FSDP2, ZeRO-2/3, CPU offload, nf4 / int8 bases) is :mod:`.layout`: it sets
+``weights`` (what stays on the GPU), ``gathered_weights`` (unsharded while the base runs, per
+phase) and ``dequant_transient``; :mod:`.plan` ranks every layout for ``doctor --plan``. ``peak`` is comparable with ``torch.cuda.max_memory_allocated()``; ``fits`` also adds
 ``overhead_gb`` (CUDA context, NCCL buffers) and ``fragmentation`` (allocator slack) on top.
 
 ``_ACT_COEF`` holds one table per device kind, each measured on that device by summing the unique
@@ -56,6 +59,8 @@ import dataclasses
 import functools
 import json
 import os
+import sys
+import types
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -63,7 +68,10 @@ from typing import Any
 
 import torch
 
-from grpo_patches.grouping import GroupShapeError, check_group_shape
+from grpo_patches.grouping import GroupShapeError, check_group_shape, resolve_steps_per_generation
+from grpo_patches.preflight.layout import Layout, layout_from_environment
+
+_DDP = Layout()
 
 __all__ = [
     "PRESETS",
@@ -73,9 +81,12 @@ __all__ = [
     "PreflightWarning",
     "RankEstimate",
     "RewardModelSpec",
+    "Layout",
+    "check_setting_names",
     "count_parameters",
     "load_model_config",
     "preflight",
+    "valid_setting_names",
 ]
 
 GiB = 2**30
@@ -161,6 +172,12 @@ class ParamCount:
     embedding: int
     reference_trainable: int  # what the pinned LoRA would train on this architecture
     output_embedding: int = 0  # an untied LM head's parameters (0 when tied to the input embedding)
+    linear_frozen: int = 0  # frozen weights of the decoder's Linear modules (what bitsandbytes quantizes)
+    linear_rows: int = 0  # their output features (int8 keeps one fp32 scale per row)
+    largest_linear: int = 0  # the widest such Linear (dequantized one at a time)
+    layers: int = 0  # decoder layers (FSDP2 / ZeRO-3 gather one at a time)
+    layer_other: int = 0  # non-Linear parameters of one decoder layer (norms)
+    linear_sizes: tuple[int, ...] = ()  # each such Linear's weight numel (bitsandbytes' per-tensor blocks)
 
     @property
     def frozen(self) -> int:
@@ -248,7 +265,8 @@ class PreflightReport:
             f"steps_per_generation={s['steps_per_generation']} num_generations={s['num_generations']} "
             f"prompt={s['prompt_length']} completion={s['completion_length']} tokens; "
             f"gradient_checkpointing={s['gradient_checkpointing']}; logits={s['logits_mode']}; "
-            f"rewards={s['reward_placement']}",
+            f"rewards={s['reward_placement']}; layout={s['layout']}"
+            + (f" (host memory per rank: {s['host_weights_gb']:.2f} GiB of frozen shards)" if s["host_weights_gb"] else ""),
             self.table(),
             f"activations: {_gib(self.activations_checkpointed)} with gradient checkpointing, "
             f"{_gib(self.activations_full)} without (per rank)",
@@ -293,6 +311,50 @@ def _setting(cfg: Any, name: str, default: Any) -> Any:
         return default
     value = cfg.get(name, default) if isinstance(cfg, Mapping) else getattr(cfg, name, default)
     return default if value is None else value
+
+
+#: The GRPO settings preflight reads (also valid where the installed TRL lacks them, e.g. an older
+#: release's max_prompt_length); any field of the installed ``trl.GRPOConfig`` is valid too.
+_READ_SETTINGS = frozenset({
+    "per_device_train_batch_size", "gradient_accumulation_steps", "steps_per_generation", "generation_batch_size",
+    "num_generations", "num_generations_eval", "max_completion_length", "max_prompt_length",
+    "gradient_checkpointing", "bf16", "fp16", "model_init_kwargs", "optim", "eval_strategy",
+    "per_device_eval_batch_size", "use_vllm", "ds3_gather_for_generation", "beta",
+})
+
+
+def valid_setting_names() -> frozenset[str]:
+    """GRPO setting names preflight and ``grpo-patches doctor --set`` accept."""
+    try:
+        import trl
+
+        fields = {f.name for f in dataclasses.fields(trl.GRPOConfig)}
+    except Exception:  # TRL absent or broken: the names preflight reads
+        fields = set()
+    return _READ_SETTINGS | fields
+
+
+def check_setting_names(settings: Any) -> None:
+    """Refuse a misspelt GRPO setting (a dict's keys or a namespace's attributes) with close matches.
+
+    A built ``GRPOConfig`` (a dataclass) cannot carry unknown names, so it is not checked.
+    """
+    if settings is None or dataclasses.is_dataclass(settings):
+        return
+    names = list(settings) if isinstance(settings, Mapping) else list(vars(settings))
+    valid = valid_setting_names()
+    unknown = [n for n in names if n not in valid]
+    if not unknown:
+        return
+    import difflib
+
+    hints = []
+    for name in unknown:
+        close = difflib.get_close_matches(str(name), sorted(valid), n=3, cutoff=0.6)
+        hints.append(f"{name!r}" + (f" (did you mean {' or '.join(close)}?)" if close else ""))
+    raise TypeError(
+        f"grpo_patches.preflight: unknown GRPO setting(s) {', '.join(hints)}; use trl.GRPOConfig field names."
+    )
 
 
 def _dtype_bytes(dtype: Any) -> int:
@@ -416,6 +478,7 @@ def count_parameters(model_config: Any, lora_config: Any = None, *, peft_always:
         tied = head is None or head.weight is model.get_input_embeddings().weight
         output_embedding = 0 if tied else head.weight.numel()
         reference = _reference_lora_params(model)
+        layout = _base_layout(model, head)
         if _is_plain_lora(lora) and not peft_always:
             trainable = _lora_params(model, lora.r, lora.target_modules)
             total = sum(p.numel() for p in model.parameters()) + trainable
@@ -424,8 +487,20 @@ def count_parameters(model_config: Any, lora_config: Any = None, *, peft_always:
             total = sum(p.numel() for p in peft_model.parameters())
             trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
         _COUNT_CACHE[key] = ParamCount(total=total, trainable=trainable, embedding=embedding,
-                                       reference_trainable=reference, output_embedding=output_embedding)
+                                       reference_trainable=reference, output_embedding=output_embedding, **layout)
     return _COUNT_CACHE[key]
+
+
+def _base_layout(model: torch.nn.Module, head: Any) -> dict[str, int]:
+    """The counts the sharded / quantized layouts need: the decoder's Linears and its layer list."""
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head]
+    blocks = max((m for m in model.modules() if isinstance(m, torch.nn.ModuleList)), key=len, default=[])
+    in_linears = {id(p) for m in linears for p in m.parameters()}
+    other = sum(p.numel() for p in blocks[0].parameters() if id(p) not in in_linears) if len(blocks) else 0
+    return dict(linear_frozen=sum(m.weight.numel() + (m.bias.numel() if m.bias is not None else 0) for m in linears),
+                linear_rows=sum(m.out_features for m in linears),
+                largest_linear=max((m.weight.numel() for m in linears), default=0),
+                layers=len(blocks), layer_other=other, linear_sizes=tuple(m.weight.numel() for m in linears))
 
 
 def _count_reward_model(cfg: Any) -> int:
@@ -552,25 +627,51 @@ def _estimate(
     overhead: int,
     fragmentation: float,
     static_cache: int | None = None,
+    layout: Layout = _DDP,
 ) -> list[RankEstimate]:
     tokens = batch * (prompt + completion)
     n_gen = batch * steps
-    frozen = params.frozen * w_bytes
     trainable = params.trainable
-    ddp = 4 * trainable if world_size > 1 else 0
+    w = world_size
+    if layout.deepspeed:
+        # The engine casts the module to bf16 (the LoRA weights too) and keeps fp32 master weights, Adam
+        # moments and gradients partitioned over the ranks, with a bf16 gradient per parameter.
+        lora_params, grad_copy = 2 * trainable, 0
+        lora_grads = 2 * trainable + 4 * trainable // w
+        optimizer_state = int((_optimizer_bytes_per_param(optim) + 4) * trainable / w)
+    elif layout.sharding == "fsdp2":  # LoRA weights sharded like the rest, fp32; gradients reduce-scattered
+        lora_params, grad_copy = 4 * trainable // w, 0
+        lora_grads = 4 * trainable // w
+        optimizer_state = int(_optimizer_bytes_per_param(optim) * trainable / w)
+    elif layout.quantization is not None:
+        # TRL (1.x) casts the adapter of a quantized model to bf16 (QLoRA paper): bf16 weights, gradients and
+        # AdamW moments (torch keeps the moments in the parameter's dtype).
+        lora_params, grad_copy = 2 * trainable, (2 * trainable if w > 1 else 0)
+        lora_grads = 2 * trainable + grad_copy
+        optimizer_state = int(_optimizer_bytes_per_param(optim) / 2 * trainable)
+    else:
+        lora_params, grad_copy = 4 * trainable, (4 * trainable if w > 1 else 0)  # DDP's gradient buckets
+        lora_grads = 4 * trainable + grad_copy
+        optimizer_state = int(_optimizer_bytes_per_param(optim) * trainable)
     kv_layer = 2 * arch.kv * (prompt + completion) * n_gen * act
+    quantized = layout.quantization is not None
     common = {
-        "weights": frozen,
-        "lora_params": 4 * trainable,
-        "lora_grads": 4 * trainable + ddp,
-        "optimizer_state": int(_optimizer_bytes_per_param(optim) * trainable),
+        "weights": layout.gpu_weights(params, w_bytes, w),
+        "gathered_weights": layout.gathered(params, w_bytes, w, arch.hidden, "training"),
+        "dequant_transient": layout.dequant_transient(params, act),
+        "lora_params": lora_params,
+        "lora_grads": lora_grads,
+        "optimizer_state": optimizer_state,
         "activations": _activations(arch, tokens, act, dropout, checkpointing),
         "logits_logps": _logits(arch, batch, completion, act, logits_mode),
-        "autocast_cache": _autocast_copies(params, arch, w_bytes, act, checkpointing),
+        "autocast_cache": 0 if quantized else _autocast_copies(params, arch, w_bytes, act, checkpointing),
         "kv_cache": (kv_layer * arch.layers + kv_layer if static_cache is None
                      else 2 * arch.kv * static_cache * n_gen * act * arch.layers),
         "generation_transient": _prefill_transient(arch, n_gen * prompt, act) + n_gen * arch.vocab * 4 * 3,
     }
+    gen_gathered = layout.gathered(params, w_bytes, w, arch.hidden, "generation")
+    # The optimizer step: foreach AdamW's temporaries, about one fp32 copy of the (local) trainable weights.
+    step_temp = 4 * trainable // (w if layout.sharded or layout.deepspeed else 1)
     estimates = []
     for rank in range(world_size):
         comp = dict(common)
@@ -590,17 +691,20 @@ def _estimate(
                 )
         comp["reward_weights"] = rm_weights
         comp["reward_scoring"] = rm_scoring
-        resident = comp["weights"] + comp["lora_params"] + comp["optimizer_state"] + rm_weights + ddp
+        resident = comp["weights"] + comp["lora_params"] + comp["optimizer_state"] + rm_weights + grad_copy
         # Fast generation keeps its static cache between steps (the CUDA graphs read it in place), so it
         # is resident in every phase rather than a generation-only transient.
         kv_resident = comp["kv_cache"] if static_cache is not None else 0
         resident += kv_resident
         phases = {
-            "generation": resident - kv_resident + comp["kv_cache"] + comp["generation_transient"],
+            "generation": resident - kv_resident + comp["kv_cache"] + comp["generation_transient"] + gen_gathered
+            + comp["dequant_transient"],
             "scoring": resident + rm_scoring,
-            "training": resident + comp["lora_grads"] - ddp + comp["activations"] + comp["logits_logps"]
-            + comp["autocast_cache"],
+            "training": resident + comp["lora_grads"] - grad_copy + comp["activations"] + comp["logits_logps"]
+            + comp["autocast_cache"] + comp["gathered_weights"] + comp["dequant_transient"],
+            "optimizer": resident + comp["lora_grads"] - grad_copy + step_temp,
         }
+        comp["gathered_weights"] = max(comp["gathered_weights"], gen_gathered)
         estimates.append(RankEstimate(rank, comp, phases, capacity, overhead, fragmentation))
     return estimates
 
@@ -626,6 +730,10 @@ def preflight(
     raise_on_error: bool = True,
     warn: bool = True,
     fast_generation: bool = False,
+    sharding: str = "auto",
+    quantization: str | None = None,
+    double_quant: bool = True,
+    offload_base: bool | None = None,
 ) -> PreflightReport:
     """Predict each rank's peak memory by component and check the run's shape before it starts.
 
@@ -637,7 +745,14 @@ def preflight(
     ``max_prompt_length``, else 256); ``dtype``: the frozen weights' dtype (default: the config's
     ``model_init_kwargs`` dtype, else bf16 when bf16 is on); ``fast_generation``: the run uses
     ``apply(fast_generation=...)``, whose static KV cache (prompt rounded up to 64 + completion)
-    stays allocated through training.
+    stays allocated through training. ``sharding`` ("ddp", "zero2", "fsdp2", "zero3"; "auto":
+    what ``accelerate launch`` set up, else ddp),
+    ``quantization`` (None, "nf4", "int8": a bitsandbytes base, ``double_quant`` for nf4) and
+    ``offload_base`` (frozen shards in host memory, fsdp2 / zero3; None: from accelerate's
+    environment under "auto", else False) place the frozen base
+    (:class:`~grpo_patches.preflight.layout.Layout`); under ZeRO-3 the config's
+    ``ds3_gather_for_generation`` (TRL's default True) decides whether generation gathers the whole
+    model. Unknown GRPO setting names raise ``TypeError`` with close matches.
 
     Errors (a group split across ranks, a predicted peak over ``gpu_memory_gb``) raise
     ``ValueError`` (:class:`GroupShapeError` / :class:`PreflightError`) with the fix when
@@ -655,16 +770,29 @@ def preflight(
     if logits_mode not in ("auto", "fused", "full"):
         raise ValueError(f"logits_mode={logits_mode!r} must be 'auto', 'fused' or 'full'.")
 
+    g = grpo_config
+    check_setting_names(g)
+    if sharding == "auto":
+        detected = layout_from_environment()
+        sharding = detected["sharding"]
+        offload_base = detected["offload_base"] if offload_base is None else offload_base
+    layout = Layout(sharding=sharding, quantization=quantization, double_quant=double_quant,
+                    offload_base=bool(offload_base),
+                    gather_for_generation=bool(_setting(g, "ds3_gather_for_generation", True)))
     cfg = load_model_config(model_config)
     arch = _arch(cfg)
     art = ARTICLE_TRAINING_SETTINGS
-    g = grpo_config
     batch = int(_setting(g, "per_device_train_batch_size", art["per_device_train_batch_size"]))
     accum = int(_setting(g, "gradient_accumulation_steps", art["gradient_accumulation_steps"]))
     if g is not None and not isinstance(g, Mapping) and not hasattr(g, "steps_per_generation"):
         steps = 1  # a TRL < 0.19 config: every micro-batch generates its own groups
     else:
-        steps = int(_setting(g, "steps_per_generation", accum))
+        steps = resolve_steps_per_generation(
+            {"per_device_train_batch_size": batch, "gradient_accumulation_steps": accum,
+             "steps_per_generation": _setting(g, "steps_per_generation", None),
+             "generation_batch_size": _setting(g, "generation_batch_size", None)}
+            if isinstance(g, Mapping) or g is None else g,
+            world_size=world_size)
     num_gen = int(_setting(g, "num_generations", art["group_size"]))
     completion = int(_setting(g, "max_completion_length", art["max_length"] // 2))
     prompt = int(prompt_length if prompt_length is not None else _setting(g, "max_prompt_length", art["max_length"] // 2))
@@ -718,7 +846,7 @@ def preflight(
                   logits_mode=mode, rewards=rewards, placement=reward_placement, capacity=capacity,
                   overhead=int(overhead_gb * GiB), fragmentation=fragmentation,
                   static_cache=(-(-prompt // _STATIC_CACHE_BUCKET) * _STATIC_CACHE_BUCKET + completion
-                                if fast_generation else None))
+                                if fast_generation and layout.sharding == "ddp" else None), layout=layout)
     ranks = _estimate(arch, params, checkpointing=checkpointing, **common)
     act_ckpt = _activations(arch, batch * (prompt + completion), common["act"], dropout, True)
     act_full = _activations(arch, batch * (prompt + completion), common["act"], dropout, False)
@@ -758,6 +886,9 @@ def preflight(
         advice.append(
             f"no reward model shares the policy's family ({arch.model_type}); S9 advises one of the same family."
         )
+    if fast_generation and layout.sharding != "ddp":
+        advice.append(f"fast_generation under {layout.sharding}: the kit samples eagerly there (parameters are "
+                      f"gathered per call), so no static cache is counted.")
     if bool(_setting(g, "use_vllm", False)):
         advice.append("use_vllm=True: vLLM's memory pool is not modelled; the generation figures assume transformers.")
     if arch.moe:
@@ -766,7 +897,9 @@ def preflight(
     settings = dict(world_size=world_size, per_device_train_batch_size=batch, steps_per_generation=steps,
                     num_generations=num_gen, prompt_length=prompt, completion_length=completion,
                     gradient_checkpointing=checkpointing, dtype=_dtype_name(dtype), compute_dtype=compute_dtype,
-                    logits_mode=mode, reward_placement=reward_placement, optim=optim)
+                    logits_mode=mode, reward_placement=reward_placement, optim=optim, layout=layout.label(),
+                    host_weights_gb=(layout.base_bytes(params, _dtype_bytes(dtype))["total"] / world_size / GiB
+                                     if layout.offload_base else 0.0))
     report = PreflightReport(ranks, params, settings, act_ckpt, act_full, errors, advice)
     if warn:
         for message in advice:
@@ -830,8 +963,9 @@ def _no_fit_message(arch: _Arch, params: ParamCount, over: list[RankEstimate], c
         n = common["world_size"]
         fixes.append(
             f"the frozen weights alone ({_gib(worst.components['weights'])}) exceed one GPU: shard them across the "
-            f"ranks (DeepSpeed ZeRO-3 / FSDP, ~{_gib(worst.components['weights'] / n)} each at world_size={n}, not "
-            f"modelled here) or load them in 4-bit (~{_gib(params.frozen * 0.56)})"
+            f"ranks (sharding='fsdp2' / 'zero3', ~{_gib(worst.components['weights'] / n)} each at world_size={n}), "
+            f"offload them (offload_base=True) or load them in 4-bit (quantization='nf4'); "
+            f"`grpo-patches doctor ... --plan` ranks the combinations that fit"
         )
     return msg + (" Options: " + "; ".join(fixes) + "." if fixes else " Use GPUs with more memory.")
 
@@ -843,7 +977,7 @@ def _gib(n: int | float) -> str:
     return f"{n / GiB:.2f} GiB"
 
 
-_ROWS = ("weights", "lora_params", "lora_grads", "optimizer_state", "activations", "logits_logps", "autocast_cache",
+_ROWS = ("weights", "gathered_weights", "dequant_transient", "lora_params", "lora_grads", "optimizer_state", "activations", "logits_logps", "autocast_cache",
          "kv_cache", "generation_transient", "reward_weights", "reward_scoring")
 
 
@@ -859,7 +993,7 @@ def _render(ranks: list[RankEstimate], title: str | None = None) -> str:
     rows: list[tuple[str, list[str]]] = []
     for name in _ROWS:
         rows.append((name, [f"{g[0].components.get(name, 0) / GiB:.2f}" for g in groups]))
-    for phase in ("generation", "scoring", "training"):
+    for phase in ("generation", "scoring", "training", "optimizer"):
         rows.append((f"= {phase}", [f"{g[0].phases[phase] / GiB:.2f}" for g in groups]))
     rows.append(("peak", [f"{g[0].peak / GiB:.2f} ({g[0].peak_phase})" for g in groups]))
     if any(g[0].capacity is not None for g in groups):
@@ -872,3 +1006,21 @@ def _render(ranks: list[RankEstimate], title: str | None = None) -> str:
     for name, cells in rows:
         out.append(name.ljust(width0) + "".join(c.rjust(w) for c, w in zip(cells, widths, strict=True)))
     return "\n".join(out)
+
+
+class _CallableModule(types.ModuleType):
+    """This module, callable as :func:`preflight`.
+
+    ``grpo_patches.preflight`` names both the function and this module; importing the module
+    rebinds the package attribute to it (the import system does that), so a lazy attribute that
+    returned the function would turn into the module on the next import (issue 12: "module is not
+    callable" on the second call). Making the module itself callable keeps ``grpo_patches.preflight(...)``
+    right whatever was imported first.
+    """
+
+    def __call__(self, *args: Any, **kwargs: Any) -> PreflightReport:
+        return preflight(*args, **kwargs)
+
+
+__wrapped__ = preflight  # inspect.signature(grpo_patches.preflight) shows preflight's parameters
+sys.modules[__name__].__class__ = _CallableModule

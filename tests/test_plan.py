@@ -1,0 +1,167 @@
+"""Layouts past one GPU (FSDP2, ZeRO-2/3, CPU offload, nf4 / int8 bases) and ``doctor --plan``."""
+
+from __future__ import annotations
+
+import pytest
+
+from grpo_patches.cli import main as cli_main
+from grpo_patches.preflight import count_parameters, preflight
+from grpo_patches.preflight.layout import Layout, quantized_bytes_per_weight
+from grpo_patches.preflight.plan import plan
+
+GiB = 2**30
+SMALL = dict(per_device_train_batch_size=4, steps_per_generation=1, num_generations=4, max_completion_length=128,
+             gradient_checkpointing=True, bf16=True)
+# The article's scenario: 8 completions x 512 tokens per GPU, one group of 8 per rank.
+ARTICLE = dict(per_device_train_batch_size=1, steps_per_generation=8, num_generations=8, max_completion_length=512)
+
+
+def est(model="qwen2-1.5b", world_size=4, **kw):
+    return preflight(model, grpo_config=kw.pop("grpo", SMALL), world_size=world_size, warn=False,
+                     raise_on_error=False, prompt_length=128, **kw).ranks[0]
+
+
+def test_base_counts_split_into_linears_layers_and_root():
+    p = count_parameters("llama-3.1-70b")
+    assert p.layers == 80
+    # Llama-3.1-70B decoder layer: q/o 8192^2, k/v 8192 x 1024, gate/up/down 8192 x 28672
+    per_layer = 2 * 8192**2 + 2 * 8192 * 1024 + 3 * 8192 * 28672
+    assert p.linear_frozen == 80 * per_layer
+    assert p.largest_linear == 8192 * 28672
+    assert p.layer_other == 2 * 8192  # the two RMSNorms
+    assert p.frozen == p.linear_frozen + p.embedding + p.output_embedding + 80 * p.layer_other + 8192
+
+
+def test_sharded_layouts_keep_one_world_th_of_the_base():
+    ddp, fsdp, zero3 = est(), est(sharding="fsdp2"), est(sharding="zero3")
+    assert fsdp.components["weights"] == pytest.approx(ddp.components["weights"] / 4, abs=1)
+    assert zero3.components["weights"] == fsdp.components["weights"]
+    assert ddp.components["gathered_weights"] == 0 and fsdp.components["gathered_weights"] > 0
+    # zero2 partitions gradients / optimizer state only: the base stays whole
+    assert est(sharding="zero2").components["weights"] == ddp.components["weights"]
+    assert est(sharding="zero2").components["optimizer_state"] < ddp.components["optimizer_state"]
+
+
+def test_zero3_gathers_the_whole_model_for_generation_unless_told_not_to():
+    p = count_parameters("qwen2-1.5b")
+    gather = est(sharding="zero3")
+    layerwise = est(sharding="zero3", grpo=dict(SMALL, ds3_gather_for_generation=False))
+    whole = int(Layout("zero3").base_bytes(p, 2)["total"])
+    assert whole == pytest.approx(p.frozen * 2, rel=1e-6)
+    assert gather.phases["generation"] - layerwise.phases["generation"] == whole - layerwise.components["gathered_weights"]
+    assert gather.phases["training"] == layerwise.phases["training"]
+
+
+def test_fsdp2_keeps_the_root_and_two_layers_unsharded():
+    # (test_preflight_layouts.py checks the same against torch's FSDPMemTracker)
+    p = count_parameters("qwen2-1.5b")
+    b = Layout("fsdp2").base_bytes(p, 2)
+    layer = b["layer"] + 4 * p.trainable / p.layers
+    assert est(sharding="fsdp2").components["gathered_weights"] == int(max(2 * b["root"] + layer,
+                                                                             b["root"] + 2 * layer))
+
+
+def test_offload_moves_the_base_to_host_memory():
+    on, off = est(sharding="fsdp2", offload_base=True), est(sharding="fsdp2")
+    assert on.components["weights"] == 0 and off.components["weights"] > 0
+    report = preflight("qwen2-1.5b", grpo_config=SMALL, world_size=4, warn=False, sharding="zero3",
+                       offload_base=True)
+    assert report.settings["host_weights_gb"] * GiB == pytest.approx(count_parameters("qwen2-1.5b").frozen * 2 / 4)
+    with pytest.raises(ValueError, match="offload_base=True needs sharding"):
+        est(offload_base=True)
+    with pytest.raises(ValueError, match="quantized base"):
+        est(sharding="fsdp2", offload_base=True, quantization="nf4")
+
+
+def test_quantized_bases_follow_bitsandbytes_layout():
+    assert quantized_bytes_per_weight("nf4", True) == pytest.approx(0.515869, abs=1e-6)
+    assert quantized_bytes_per_weight("nf4", False) == 0.5625
+    p = count_parameters("llama-3.1-8b")
+    nf4 = est("llama-3.1-8b", world_size=1, quantization="nf4")
+    rest = (p.frozen - p.linear_frozen) * 2
+    assert nf4.components["weights"] == pytest.approx(p.linear_frozen * quantized_bytes_per_weight("nf4") + rest,
+                                                      rel=1e-4)  # + per-tensor codes and block rounding
+    int8 = est("llama-3.1-8b", world_size=1, quantization="int8")
+    assert int8.components["weights"] == int(p.linear_frozen + 4 * p.linear_rows + rest)
+    assert nf4.components["dequant_transient"] == p.largest_linear * 2
+    # an fp32 base makes autocast copies; a quantized one does not
+    assert est("llama-3.1-8b", world_size=1, quantization="nf4", dtype="float32").components["autocast_cache"] == 0
+
+
+def test_every_phase_is_reported_and_the_peak_named():
+    r = est(sharding="fsdp2")
+    assert set(r.phases) == {"generation", "scoring", "training", "optimizer"}
+    assert r.peak == max(r.phases.values()) and r.peak_phase in r.phases
+
+
+def test_article_scenario_plan_names_a_fitting_layout():
+    result = plan("llama-3.1-70b", grpo_config=ARTICLE, world_size=4, gpu_memory_gb=24, prompt_length=256)
+    best = result.best
+    assert best is not None and best.fits
+    # 131 GiB of bf16 weights cannot be replicated; a fitting plan shards the base
+    assert best.layout.sharded
+    assert all(not (e.layout.sharding in ("ddp", "zero2") and e.layout.quantization is None) for e in result.fitting)
+    for tight in (False, True):  # S8's 2 GiB headroom first, each class cheapest first
+        costs = [e.seconds for e in result.fitting if e.tight == tight]
+        assert costs == sorted(costs)
+    assert [e.tight for e in result.fitting] == sorted(e.tight for e in result.fitting)
+    assert "cheapest that fits" in str(result)
+
+
+def test_plan_exits_1_naming_the_component_over_and_by_how_much(capsys):
+    args = ["doctor", "--model", "llama-3.1-70b", "--world-size", "2", "--gpu-memory-gb", "8", "--plan",
+            "--prompt-length", "256"] + [f"--set={k}={v}" for k, v in ARTICLE.items()]
+    assert cli_main(args) == 1
+    out = capsys.readouterr().out
+    assert "nothing fits" in out and "over by" in out and "largest components" in out
+    assert cli_main(args[:7] + ["--set=num_generation=8"]) == 2
+
+
+def test_plan_on_a_roomy_gpu_prefers_plain_ddp():
+    result = plan("qwen2.5-0.5b", grpo_config=SMALL, world_size=2, gpu_memory_gb=80, prompt_length=128)
+    assert result.best.layout == Layout("ddp") and not result.best.checkpointing and result.best.seconds == 0
+
+
+@pytest.mark.parametrize(("env", "expected"), [
+    ({}, {"sharding": "ddp", "offload_base": False}),
+    ({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_OFFLOAD_PARAMS": "true"},
+     {"sharding": "fsdp2", "offload_base": True}),
+    ({"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3",
+      "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE": "cpu"}, {"sharding": "zero3", "offload_base": True}),
+    ({"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2"},
+     {"sharding": "zero2", "offload_base": False}),
+])
+def test_auto_layout_is_read_from_accelerate_launch(monkeypatch, env, expected):
+    from grpo_patches.preflight.layout import layout_from_environment
+
+    for name in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"):
+        monkeypatch.delenv(name, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert layout_from_environment() == expected
+    report = preflight("qwen2-1.5b", grpo_config=SMALL, world_size=4, warn=False, prompt_length=128)
+    assert report.settings["layout"].startswith(expected["sharding"])
+
+
+def test_readme_shows_the_current_plan_output(capsys):
+    """README's --plan block is this command's output (first lines), so it cannot go stale."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = text.split("$ grpo-patches doctor --model llama-3.1-70b", 1)[1].split("\n...\n", 1)[0]
+    command, shown = block.split("\n", 2)[:2], block.split("\n", 2)[2]
+    args = ["doctor", "--model", "llama-3.1-70b"] + (command[0] + " " + command[1]).replace("\\", " ").split()
+    assert cli_main(args) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(shown), "README's plan output is stale: paste the new output"
+
+
+def test_plan_varies_reward_placement_where_the_kit_allows_it():
+    result = plan("qwen2-1.5b", grpo_config=SMALL, world_size=2, gpu_memory_gb=80, prompt_length=128,
+                  reward_models=["qwen2.5-0.5b"])
+    mains = {e.layout.sharding for e in result.entries if e.placement == "main"}
+    assert mains == {"ddp", "fsdp2"}  # main placement with a reward model is refused under DeepSpeed
+    local = next(e for e in result.entries if e.layout == Layout("ddp") and e.placement == "local")
+    main = next(e for e in result.entries if e.layout == Layout("ddp") and e.placement == "main"
+                and e.checkpointing == local.checkpointing)
+    assert main.report.ranks[1].components["reward_weights"] == 0 < local.report.ranks[1].components["reward_weights"]
