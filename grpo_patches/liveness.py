@@ -155,6 +155,7 @@ class _Monitor:
                 self._end(verdict[1])
 
     def _tick(self) -> None:
+        attempt = time.monotonic()  # a failing reconnect blocks ~5 s: the store was lost when it began
         try:
             if self._thread_store is None:
                 self._thread_store = self._connect()
@@ -166,7 +167,7 @@ class _Monitor:
             self._thread_store = None  # a fresh connection next time (a failed one may be out of step)
             with self.lock:
                 if self.store_lost_since is None:
-                    self.store_lost_since = time.monotonic()
+                    self.store_lost_since = attempt
                 self.store_error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             return
         now = time.monotonic()
@@ -217,16 +218,20 @@ class _Monitor:
         with self.lock:
             self.judging = True
         deadline = time.monotonic() + min(self.timeout, 30.0)
-        while time.monotonic() < deadline:
+        while True:
             with self.lock:
                 silent = self.verdict(self.confirm)
+                store_lost = self.store_lost_since is not None
             if silent is not None:
                 return silent
-            failed = self._posted_failure()
+            # Reading a dead store blocks for its reconnect timeout (~5 s for 2 s asked, torch 2.13):
+            # once the thread has seen the store go, only its verdict can come, so do not ask again.
+            failed = None if store_lost else self._posted_failure()
             if failed is not None:
                 return failed
+            if time.monotonic() >= deadline:  # checked after the read, so the verdict gets one more look
+                return None
             time.sleep(self.interval)
-        return None
 
     def _posted_failure(self) -> tuple[int, str] | None:
         try:
