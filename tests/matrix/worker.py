@@ -329,6 +329,13 @@ def scenario(data: dict, save) -> None:
     data["stock_nan"] = try_fault(build(), "nan", 1)
     save()
 
+    # I4: a chunk size that would cut a group is refused at construction, with the nearest valid values
+    kit.enable_kit(reward_chunk_size=CHUNK + 1)
+    try:
+        build()
+        data["chunk_refusal"] = None
+    except ValueError as exc:
+        data["chunk_refusal"] = str(exc)
     for placement in ("local", "main"):
         kit.enable_kit(reward_placement=placement, reward_chunk_size=CHUNK, reward_timeout=REWARD_TIMEOUT)
         got: dict = {}
