@@ -6,7 +6,9 @@ reads :func:`is_remote_failure`. A mode that runs the same invariants against a 
 checkout* (``patches/trl-<release>.patch``, grpo_patches not importable) swaps this module's
 functions for ones that set the fork's own switches; the scenario and its assertions stay as they are.
 
-``GRPO_PATCHES_MATRIX_MODE`` selects the mode; only ``monkeypatch`` exists today.
+``GRPO_PATCHES_MATRIX_MODE`` selects the mode; only ``monkeypatch`` exists today. A fork mode also
+needs stock TRL for the upstream half of every check (:func:`disable_kit`), e.g. by running the
+upstream scenarios in an unpatched environment, and sets ``CAN_REVERT = False`` (I6 is then skipped).
 """
 
 from __future__ import annotations

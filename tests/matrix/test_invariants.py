@@ -273,6 +273,8 @@ def test_i5_a_reward_past_the_timeout_fails_every_rank_in_time(ranks, placement)
 
 @needs_adapter
 def test_i6_revert_restores_every_attribute_the_adapter_declares(ranks):
+    if "i6" not in ranks[0].data:
+        pytest.skip("this matrix mode cannot turn the kit off (tests/matrix/kit.py CAN_REVERT)")
     for r in ranks:
         i6 = r.data["i6"]
         assert i6["declared"]["GRPOTrainer"] and i6["declared"]["DSMGRPOTrainer"]

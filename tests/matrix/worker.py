@@ -392,6 +392,7 @@ def main() -> None:
     data: dict = {"rank": RANK, "world": WORLD}
 
     def save():
+        data.setdefault("stage_ends_s", []).append(round(time.time() - start, 1))  # where the time goes
         with open(os.path.join(OUTDIR, f"rank{RANK}.json.tmp"), "w") as f:
             json.dump(data, f)
         os.replace(os.path.join(OUTDIR, f"rank{RANK}.json.tmp"), os.path.join(OUTDIR, f"rank{RANK}.json"))
