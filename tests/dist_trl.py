@@ -195,54 +195,6 @@ def scenario_fault(data):
     trainer.train()
 
 
-def scenario_lean(data):
-    """Every invariant once, for the version matrix: no training, one generation round per check."""
-    bad_rank = {"rank": 1}
-
-    def flaky_reward(completions, **kwargs):
-        if bad_rank["rank"] == RANK:
-            raise ZeroDivisionError("injected in flaky_reward")
-        return [1.0] * len(completions)
-
-    # I1 upstream: a per-rank batch of 2 with num_generations=4 splits every group over the ranks.
-    grpo_patches.revert()
-    split = build(grpo_args(per_device_train_batch_size=2, num_generations=4))
-    CALLS.clear()
-    first_generation(split)
-    data["stock_split_rows"] = [row for call in CALLS for row in call["rows"]]
-    # I3 reference: stock advantages on a valid shape.
-    stock = build(grpo_args(per_device_train_batch_size=4, num_generations=4), reward_funcs=[recording_reward,
-                                                                                               length_reward])
-    batch, out = first_generation(stock)
-    data["stock"] = {"rows": [b["row"] for b in batch], "completion_ids": out["completion_ids"].tolist(),
-                     "advantages": out["advantages"].tolist()}
-    for placement in ("local", "main"):
-        grpo_patches.apply(reward_placement=placement, reward_chunk_size=4, reward_timeout=5.0)
-        try:  # I1 patched: refused at construction
-            build(grpo_args(per_device_train_batch_size=2, num_generations=4))
-            data[f"{placement}_refusal"] = None
-        except grpo_patches.GroupShapeError as exc:
-            data[f"{placement}_refusal"] = str(exc)
-        trainer = build(grpo_args(per_device_train_batch_size=4, num_generations=4),
-                        reward_funcs=[recording_reward, length_reward])
-        CALLS.clear()
-        batch, out = first_generation(trainer)
-        data[placement] = {"rows": [b["row"] for b in batch], "completion_ids": out["completion_ids"].tolist(),
-                           "advantages": out["advantages"].tolist(), "calls": list(CALLS)}
-        # I5: a reward function raising on one rank (rank 1; under "main" only rank 0 scores) fails both
-        bad_rank["rank"] = 1 if placement == "local" else 0
-        faulty = build(grpo_args(per_device_train_batch_size=4, num_generations=4), reward_funcs=[flaky_reward])
-        t0 = time.time()
-        try:
-            first_generation(faulty)
-            data[f"{placement}_fault"] = None
-        except Exception as exc:
-            data[f"{placement}_fault"] = f"{type(exc).__name__}: {exc}"
-        data[f"{placement}_bad_rank"] = bad_rank["rank"]
-        data[f"{placement}_fault_s"] = time.time() - t0
-    grpo_patches.revert()
-
-
 def main() -> None:
     outdir, scenario, *argv = sys.argv[1:]
     data: dict = {"rank": RANK, "argv": argv}
