@@ -253,6 +253,10 @@ def run_child(name: str, port: str) -> None:
         else:
             kit.enable_kit(reward_chunk_size=CHUNK, reward_timeout=REWARD_TIMEOUT, **options)
         trainer = build()
+        # Ranks run stock generation without a collective before the rewards: line them up, so that
+        # "still running HANG_BOUND s after the fault began" means the same moment on every rank.
+        if dist.is_initialized():
+            dist.barrier()
         data["fault_started"] = time.time()
         save()
         data.update(try_fault(trainer, kind, bad_rank))
