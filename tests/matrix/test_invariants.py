@@ -42,7 +42,7 @@ TRL = Version(version("trl"))
 SIZES = world_sizes(*(int(n) for n in os.environ.get("GRPO_PATCHES_INVARIANT_WORLD_SIZES", "2").split(",")))
 SUPPORTED = (any(v.release[:2] == TRL.release[:2] for v in registry.supported_releases())
              or os.environ.get(registry.ALLOW_UNKNOWN_ENV) == "1")  # the canary's opt-in mode
-G, PBS, CHUNK, REWARD_TIMEOUT, HANG_BOUND = 2, 8, 4, 2.0, 8.0  # as in tests/matrix/worker.py
+G, PBS, CHUNK, REWARD_TIMEOUT = 2, 8, 4, 2.0  # as in tests/matrix/worker.py
 FAULT_BOUND = REWARD_TIMEOUT + 5.0  # "within reward_timeout + a few seconds"
 N_ROWS = 6  # the I2 dataset: 4 prompts per generation round, so 2 rows are left over every epoch
 
