@@ -49,7 +49,11 @@ from tests.matrix import kit  # noqa: E402
 
 RANK = int(os.environ.get("RANK", "0"))
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))
-REWARD_TIMEOUT = 2.0
+REWARD_TIMEOUT = 2.0  # the sleep children's; the kit's exchanges then time out after 2 + 15 + 0.2 s
+# The main world's: its ranks drift apart under load between TRL's collectives (seen: > 17 s at a load
+# average of 15 on 2 cores), and the kit's fail-fast group is created, with the exchanges' short
+# timeout, inside GRPOTrainer.__init__. The faults there raise at once, so nothing waits on it.
+MAIN_TIMEOUT = 120.0
 HANG_BOUND = REWARD_TIMEOUT + 5.0  # still alive this long after its fault began: hung (the bound the kit promises)
 CHUNK = 4  # reward_chunk_size: smaller than a rank's batch (8), two groups of G=2 per call
 G = 2
@@ -252,6 +256,9 @@ def run_child(name: str, port: str) -> None:
             kit.disable_kit()
         else:
             kit.enable_kit(reward_chunk_size=CHUNK, reward_timeout=REWARD_TIMEOUT, **options)
+        grpo_args()  # initializes this world's process group (accelerate), so that the ranks can line up
+        if dist.is_initialized():  # before the build: it creates the kit's group with the short timeout
+            dist.barrier()
         trainer = build()
         # Ranks run stock generation without a collective before the rewards: line them up, so that
         # "still running HANG_BOUND s after the fault began" means the same moment on every rank.
@@ -341,7 +348,7 @@ def scenario(data: dict, save) -> None:
     except ValueError as exc:
         data["chunk_refusal"] = str(exc)
     for placement in ("local", "main"):
-        kit.enable_kit(reward_placement=placement, reward_chunk_size=CHUNK, reward_timeout=REWARD_TIMEOUT)
+        kit.enable_kit(reward_placement=placement, reward_chunk_size=CHUNK, reward_timeout=MAIN_TIMEOUT)
         got: dict = {}
         try:  # I1: the same split shape, refused at construction
             build(**split)
