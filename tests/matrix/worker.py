@@ -230,6 +230,9 @@ CHILDREN = {  # name -> (kit options or None for upstream, fault kind, bad rank)
     "upstream_raise": (None, "raise", 1),
     "upstream_wronglen": (None, "wronglen", 1),
     "upstream_sleep": (None, "sleep", 1),
+    # a NaN on one rank: accepted silently by most releases, but 0.20 then runs a different sequence of
+    # collectives on the two ranks (the next process group never forms): not for the main world either
+    "upstream_nan": (None, "nan", 1),
     "patched_sleep_local": ({"reward_placement": "local"}, "sleep", 1),
     "patched_sleep_main": ({"reward_placement": "main"}, "sleep", 0),
 }
@@ -336,8 +339,6 @@ def scenario(data: dict, save) -> None:
     RM_LOADS.clear()
     data["stock"] = [observe(build(scoring_funcs(), **mode)) for mode in modes]
     data["stock_loads"] = list(RM_LOADS)
-    # I5 upstream, a NaN reward on one rank: accepted silently (no error anywhere).
-    data["stock_nan"] = try_fault(build(), "nan", 1)
     save()
 
     # I4: a chunk size that would cut a group is refused at construction, with the nearest valid values
