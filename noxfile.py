@@ -6,6 +6,7 @@
     nox                                 # every release in the table (same as: nox -t matrix)
     nox -t v019                         # the releases of one adapter era
     nox -s canary                       # the newest TRL on PyPI that is not in the table (if any)
+    nox -s mutations                    # planted bugs (tests/mutations.toml) must each fail their guards
     nox -t fork                         # every release's fork patch, applied, grpo_patches absent
     nox -s fork-0.15.2                  # one release's fork patch (tests/fork/drive.py)
 
@@ -183,6 +184,24 @@ def _newest_trl(session: nox.Session) -> str:
     if not found:
         session.error(f"could not find the newest trl on the index: {out!r}")
     return found.group(1)
+
+
+@nox.session(tags=["mutations"], reuse_venv=False, default=False)
+def mutations(session: nox.Session) -> None:
+    """Each planted bug in tests/mutations.toml, applied to a copy of the package, must make its guard
+    tests fail (tests/mutations.py); run against the newest tested TRL release and its pins.
+
+    The repo itself is not installed: every mutant imports its own copy (checked by the script).
+    ``nox -s mutations -- --only ID[,ID]`` runs some; ``-- --list`` lists them.
+    """
+    trl = max(COMPAT["supported"], key=lambda v: tuple(int(p) for p in v.split(".")))
+    row = COMPAT["supported"][trl]
+    session.install(*_torch_args(session))
+    session.install(f"trl=={trl}", *(f"{name}=={row[name]}" for name in PINNED), "--exclude-newer",
+                    _cap(row["released"]), "--override", _no_torch_override(session))
+    session.install(*TEST_DEPS)
+    _versions(session)
+    session.run("python", "tests/mutations.py", *session.posargs, env={"GRPO_PATCHES_TRL_VERSION": trl})
 
 
 @nox.session(tags=["canary"], reuse_venv=False, default=False)

@@ -31,11 +31,13 @@ import grpo_patches  # noqa: E402
 
 RANK = int(os.environ.get("RANK", "0"))
 CALLS: list[dict] = []
+EPOCH = {"e": -1}  # advanced by EpochMark at the start of every training epoch
 
 
 def recording_reward(completions, row, group_ids=None, num_generations=None, **kwargs):
     """Records what each call holds (its rank, rows, group ids) and scores by the target letter."""
-    CALLS.append({"rank": RANK, "rows": list(row), "group_ids": group_ids, "num_generations": num_generations})
+    CALLS.append({"rank": RANK, "rows": list(row), "group_ids": group_ids, "num_generations": num_generations,
+                  "epoch": EPOCH["e"]})
     return target_share(completions, target=kwargs.get("target"))
 
 
@@ -74,9 +76,12 @@ def scenario_shape(data):
         data["patched_error"] = None
     except grpo_patches.GroupShapeError as exc:
         data["patched_error"] = str(exc)
-    # 3. Patched, valid config: every reward call holds whole groups.
-    build(grpo_args(per_device_train_batch_size=4, num_generations=4, max_steps=2)).train()
+    # 3. Patched, valid config, main placement in chunks: rank 0 scores both ranks' groups in chunks of
+    # two groups each, so whole groups and distinct group ids per call are the kit's doing.
+    grpo_patches.apply(reward_placement="main", reward_chunk_size=4)
+    build(grpo_args(per_device_train_batch_size=4, num_generations=2, max_steps=2)).train()
     data["patched_calls"] = list(CALLS)
+    grpo_patches.revert()
 
 
 MODES = [
@@ -136,20 +141,40 @@ def scenario_main(data):
     data["expected_model"] = expected_model
     data["others_nan"] = bool(torch.isnan(torch.cat([rewards[: RANK * n], rewards[(RANK + 1) * n:]])).all()) if RANK else None
     data["model_untouched"] = all(torch.equal(before[k], v.cpu()) for k, v in reward_model.state_dict().items())
+    forwards = []
+    reward_model.register_forward_hook(lambda module, args, output: forwards.append(RANK))
     data["model_device"] = str(next(reward_model.parameters()).device)
     CALLS.clear()
     trainer.train()
     data["train_calls"] = list(CALLS)
+    data["model_forwards"] = len(forwards)  # the user's reward model object, run by training on this rank
+
+
+def epoch_mark():
+    from transformers import TrainerCallback
+
+    class EpochMark(TrainerCallback):
+        def on_epoch_begin(self, args, state, control, **kwargs):
+            EPOCH["e"] += 1
+
+    return EpochMark()
 
 
 def scenario_coverage(data):
+    """Stock first, then patched, on the same dataset: the rows of every reward call, by epoch."""
     n_rows, epochs = int(data["argv"][0]), int(data["argv"][1])
-    grpo_patches.apply()
-    trainer = build(grpo_args(per_device_train_batch_size=4, num_generations=2, max_steps=-1,
-                              num_train_epochs=epochs), n_rows=n_rows)
-    trainer.train()
-    data["calls"] = list(CALLS)
-    data["steps"] = trainer.state.global_step
+    for label in ("stock", "patched"):
+        if label == "stock":
+            grpo_patches.revert()
+        else:
+            grpo_patches.apply()
+        CALLS.clear()
+        EPOCH["e"] = -1
+        trainer = build(grpo_args(per_device_train_batch_size=4, num_generations=2, max_steps=-1,
+                                  num_train_epochs=epochs), n_rows=n_rows, callbacks=[epoch_mark()])
+        trainer.train()
+        data[label] = {"calls": list(CALLS), "steps": trainer.state.global_step}
+    grpo_patches.revert()
 
 
 def scenario_fault(data):
@@ -168,54 +193,6 @@ def scenario_fault(data):
                     reward_funcs=[flaky_reward])
     data["t0"] = time.time()
     trainer.train()
-
-
-def scenario_lean(data):
-    """Every invariant once, for the version matrix: no training, one generation round per check."""
-    bad_rank = {"rank": 1}
-
-    def flaky_reward(completions, **kwargs):
-        if bad_rank["rank"] == RANK:
-            raise ZeroDivisionError("injected in flaky_reward")
-        return [1.0] * len(completions)
-
-    # I1 upstream: a per-rank batch of 2 with num_generations=4 splits every group over the ranks.
-    grpo_patches.revert()
-    split = build(grpo_args(per_device_train_batch_size=2, num_generations=4))
-    CALLS.clear()
-    first_generation(split)
-    data["stock_split_rows"] = [row for call in CALLS for row in call["rows"]]
-    # I3 reference: stock advantages on a valid shape.
-    stock = build(grpo_args(per_device_train_batch_size=4, num_generations=4), reward_funcs=[recording_reward,
-                                                                                               length_reward])
-    batch, out = first_generation(stock)
-    data["stock"] = {"rows": [b["row"] for b in batch], "completion_ids": out["completion_ids"].tolist(),
-                     "advantages": out["advantages"].tolist()}
-    for placement in ("local", "main"):
-        grpo_patches.apply(reward_placement=placement, reward_chunk_size=4, reward_timeout=5.0)
-        try:  # I1 patched: refused at construction
-            build(grpo_args(per_device_train_batch_size=2, num_generations=4))
-            data[f"{placement}_refusal"] = None
-        except grpo_patches.GroupShapeError as exc:
-            data[f"{placement}_refusal"] = str(exc)
-        trainer = build(grpo_args(per_device_train_batch_size=4, num_generations=4),
-                        reward_funcs=[recording_reward, length_reward])
-        CALLS.clear()
-        batch, out = first_generation(trainer)
-        data[placement] = {"rows": [b["row"] for b in batch], "completion_ids": out["completion_ids"].tolist(),
-                           "advantages": out["advantages"].tolist(), "calls": list(CALLS)}
-        # I5: a reward function raising on one rank (rank 1; under "main" only rank 0 scores) fails both
-        bad_rank["rank"] = 1 if placement == "local" else 0
-        faulty = build(grpo_args(per_device_train_batch_size=4, num_generations=4), reward_funcs=[flaky_reward])
-        t0 = time.time()
-        try:
-            first_generation(faulty)
-            data[f"{placement}_fault"] = None
-        except Exception as exc:
-            data[f"{placement}_fault"] = f"{type(exc).__name__}: {exc}"
-        data[f"{placement}_bad_rank"] = bad_rank["rank"]
-        data[f"{placement}_fault_s"] = time.time() - t0
-    grpo_patches.revert()
 
 
 def main() -> None:

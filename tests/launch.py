@@ -50,10 +50,15 @@ def free_port() -> int:
 
 
 def run_ranks(module: str, *args: str, world_size: int = 2, deadline: float = 120.0,
-              env: dict[str, str] | None = None) -> list[RankResult]:
-    """Run ``python -m <module> <outdir> <args>`` as ``world_size`` ranks; collect exit codes and JSON."""
+              env: dict[str, str] | None = None, extra_ports: int = 0) -> list[RankResult]:
+    """Run ``python -m <module> <outdir> <args>`` as ``world_size`` ranks; collect exit codes and JSON.
+
+    ``extra_ports``: that many more free ports, the same for every rank, in ``GRPO_PATCHES_TEST_PORTS``
+    (comma-separated), for workers that form further process groups of their own.
+    """
     outdir = Path(tempfile.mkdtemp(prefix="grpo_dist_"))
     port = str(free_port())
+    more = ",".join(str(free_port()) for _ in range(extra_ports))
     procs, logs = [], []
     start = time.monotonic()
     for rank in range(world_size):
@@ -63,6 +68,7 @@ def run_ranks(module: str, *args: str, world_size: int = 2, deadline: float = 12
             "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
             "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
             "PYTHONPATH": str(ROOT) + os.pathsep + rank_env.get("PYTHONPATH", ""),
+            "GRPO_PATCHES_TEST_PORTS": more,
         })
         rank_env.update(env or {})
         log = open(outdir / f"rank{rank}.log", "w+")  # noqa: SIM115 - closed after the ranks end

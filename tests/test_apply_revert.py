@@ -1,8 +1,12 @@
-"""I6: apply / revert / double apply / import order / unsupported releases (ddtrace's ordering set)."""
+"""I6: apply / revert / double apply / unsupported releases, on the attributes the adapter declares.
+
+The wrapped attributes are read from the selected adapter (``registry.select(...).available()``),
+never listed here, and revert is checked on the whole class ``__dict__``: an attribute left wrapped,
+or one added and not removed, fails. Import-order cases need a fresh interpreter each: see
+tests/test_import_order.py.
+"""
 
 from __future__ import annotations
-
-import importlib
 
 import pytest
 import wrapt
@@ -10,8 +14,7 @@ from packaging.version import Version
 
 import grpo_patches
 from grpo_patches import registry
-
-PATCHED = ("__init__", "_get_train_sampler", "_calculate_rewards")
+from grpo_patches.targets.dsm import ADAPTER as DSM
 
 
 @pytest.fixture(autouse=True)
@@ -21,65 +24,79 @@ def clean():
     grpo_patches.revert()
 
 
+def declared() -> dict[type, list[str]]:
+    """Every (class, attribute) the adapters for the installed release declare they wrap."""
+    out: dict[type, list[str]] = {}
+    for adapter in (registry.select(registry.installed_trl_version()), DSM):
+        out.setdefault(adapter.target_class(), []).extend(adapter.available())
+    return out
+
+
+def snapshot() -> dict[type, dict]:
+    return {cls: dict(vars(cls)) for cls in declared()}
+
+
+def changed(before: dict[type, dict]) -> list[str]:
+    out = []
+    for cls, attrs in before.items():
+        now = dict(vars(cls))
+        out += [f"{cls.__name__}.{k}" for k in set(attrs) | set(now) if attrs.get(k, "<absent>") is not now.get(k, "<absent>")]
+    return out
+
+
 def originals():
     from trl.trainer.grpo_trainer import GRPOTrainer
 
-    return {name: GRPOTrainer.__dict__[name] for name in PATCHED}
+    return dict(vars(GRPOTrainer))
 
 
-def test_apply_wraps_and_revert_restores_identical_objects():
-    before = originals()
+def test_the_adapter_declares_the_methods_it_replaces():
+    names = {cls.__name__: names for cls, names in declared().items()}
+    assert {"__init__", "_get_train_sampler"} <= set(names["GRPOTrainer"])  # every era wraps these two
+    assert len(names["GRPOTrainer"]) >= 3 and names["DSMGRPOTrainer"]
+
+
+def test_apply_wraps_every_declared_attribute_and_revert_restores_identical_objects():
+    before = snapshot()
     assert grpo_patches.apply() is True and grpo_patches.is_applied()
-    from trl.trainer.grpo_trainer import GRPOTrainer
-
-    for name in PATCHED:
-        assert isinstance(GRPOTrainer.__dict__[name], wrapt.FunctionWrapper)
-        assert GRPOTrainer.__dict__[name].__wrapped__ is before[name]
+    for cls, names in declared().items():
+        for name in names:
+            attr = cls.__dict__[name]
+            assert isinstance(attr, wrapt.FunctionWrapper), f"{cls.__name__}.{name} is not wrapped"
+            assert not isinstance(attr.__wrapped__, wrapt.FunctionWrapper)
+            assert attr.__wrapped__ is before[cls].get(name, getattr(cls.__mro__[1], name, None))
     grpo_patches.revert()
     assert not grpo_patches.is_applied()
-    after = originals()
-    assert all(after[name] is before[name] for name in PATCHED)
+    assert changed(before) == []
 
 
 def test_apply_twice_does_not_wrap_twice_and_updates_options():
-    before = originals()
+    before = snapshot()
     grpo_patches.apply()
     grpo_patches.apply(reward_placement="main")
-    from trl.trainer.grpo_trainer import GRPOTrainer
-
     from grpo_patches import options
 
-    for name in PATCHED:
-        assert GRPOTrainer.__dict__[name].__wrapped__ is before[name]  # one layer only
+    for cls, names in declared().items():
+        for name in names:  # one layer only
+            assert cls.__dict__[name].__wrapped__ is before[cls].get(name, getattr(cls.__mro__[1], name, None))
     assert options.active().reward_placement == "main"
+    grpo_patches.revert()
+    assert changed(before) == []
 
 
 def test_revert_twice_and_patch_revert_patch():
-    before = originals()
+    before = snapshot()
     grpo_patches.revert()
     grpo_patches.apply()
     grpo_patches.revert()
     grpo_patches.revert()
+    assert changed(before) == []
     grpo_patches.apply()
-    from trl.trainer.grpo_trainer import GRPOTrainer
-
-    assert GRPOTrainer.__dict__["_calculate_rewards"].__wrapped__ is before["_calculate_rewards"]
-
-
-def test_import_before_apply_sees_the_patch():
-    from trl import GRPOTrainer  # the user imported it first
-
-    grpo_patches.apply()
-    assert isinstance(GRPOTrainer.__dict__["_calculate_rewards"], wrapt.FunctionWrapper)
-    import trl
-
-    assert trl.GRPOTrainer is GRPOTrainer
-
-
-def test_apply_then_import_sees_the_patch():
-    grpo_patches.apply()
-    trl = importlib.import_module("trl")
-    assert isinstance(trl.GRPOTrainer.__dict__["_get_train_sampler"], wrapt.FunctionWrapper)
+    for cls, names in declared().items():
+        for name in names:
+            assert cls.__dict__[name].__wrapped__ is before[cls].get(name, getattr(cls.__mro__[1], name, None))
+    grpo_patches.revert()
+    assert changed(before) == []
 
 
 @pytest.mark.parametrize("bad", [

@@ -1,16 +1,34 @@
-"""The version matrix's check: every invariant once against the installed TRL release (one 2-rank launch).
-
-``GRPO_PATCHES_INVARIANT_WORLD_SIZES=2,4`` adds launches of other sizes (the 4-GPU NCCL run; on CPU a
-4-rank gloo launch on two cores costs the matrix too much time per release).
+"""The version matrix's check: every invariant, upstream first, against the installed TRL release.
 
 ``nox -s trl-<release>`` runs this module in an environment with that release's pinned dependency
-set. A release whose era has no adapter must be refused clearly (I6); TRL 0.14 must be left alone.
+set; the main suite runs it against the newest release. One 2-rank launch
+(tests/matrix/worker.py) carries every scenario; each test below reads one invariant off it:
+
+* I1 a shape stock accepts splits groups over the ranks; the kit refuses it at construction; every
+  reward call holds whole groups with equal ``group_ids`` inside a group and distinct ones across;
+* I2 a dataset that leaves rows over, 3 epochs: upstream loses rows (shown), the kit uses every row,
+  none twice in an epoch, each equally often +-1;
+* I3 for every ``scale_rewards`` / aggregation mode the release's GRPOConfig has, patched advantages
+  equal stock's (1e-6) on the same completions, under both placements;
+* I4 ``reward_chunk_size`` smaller than a rank's batch (calls counted and sized); under ``"main"``
+  reward functions run, and reward models (an ``nn.Module`` and a path, TRL's hub-id branch) are
+  loaded and run, on rank 0 only, where stock does all of it on every rank; unequal per-rank counts;
+* I5 raise, wrong length, NaN, and a sleep past ``reward_timeout``: upstream first (the peer loses the
+  cause or hangs, bounded by the worker; NaN passes silently), then every rank raises
+  ``RemoteFailureError`` naming the function, the rank and the original error, within the bound;
+* I6 ``revert()`` leaves every attribute of every patched class the identical object it was; every
+  attribute the adapter declares was wrapped (read from the adapter, not listed here).
+
+``GRPO_PATCHES_INVARIANT_WORLD_SIZES=2,4`` adds launches of other sizes. A release without an adapter
+must be refused clearly (I6); TRL 0.14 must be left alone.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import warnings
+from collections import Counter
 from importlib.metadata import version
 
 import pytest
@@ -24,9 +42,14 @@ TRL = Version(version("trl"))
 SIZES = world_sizes(*(int(n) for n in os.environ.get("GRPO_PATCHES_INVARIANT_WORLD_SIZES", "2").split(",")))
 SUPPORTED = (any(v.release[:2] == TRL.release[:2] for v in registry.supported_releases())
              or os.environ.get(registry.ALLOW_UNKNOWN_ENV) == "1")  # the canary's opt-in mode
+G, PBS, CHUNK, REWARD_TIMEOUT = 2, 8, 4, 2.0  # as in tests/matrix/worker.py
+FAULT_BOUND = REWARD_TIMEOUT + 5.0  # "within reward_timeout + a few seconds"
+N_ROWS = 6  # the I2 dataset: 4 prompts per generation round, so 2 rows are left over every epoch
+
+needs_adapter = pytest.mark.skipif(not SUPPORTED, reason="no adapter for this release: see the refusal test")
 
 
-@pytest.mark.skipif(SUPPORTED, reason="covered by test_invariants_hold_across_ranks")
+@pytest.mark.skipif(SUPPORTED, reason="covered by the invariant tests")
 def test_release_without_adapter_is_refused_or_left_alone():
     try:
         with warnings.catch_warnings(record=True) as caught:
@@ -38,25 +61,223 @@ def test_release_without_adapter_is_refused_or_left_alone():
     assert not grpo_patches.is_applied()
 
 
-@pytest.mark.skipif(not SUPPORTED, reason="no adapter for this release: see the refusal test")
-@pytest.mark.parametrize("world_size", SIZES)
-def test_invariants_hold_across_ranks(world_size):
-    results = run_ranks("tests.dist_trl", "lean", world_size=world_size, deadline=400)
+@pytest.fixture(scope="module", params=SIZES, ids=lambda n: f"world{n}")
+def ranks(request):
+    results = run_ranks("tests.matrix.worker", world_size=request.param, deadline=400, extra_ports=6)
     assert all(r.returncode == 0 for r in results), describe(results)
-    rows = [set(r.data["stock_split_rows"]) for r in results]
-    assert rows[0] & rows[1], "upstream should split groups with 2 completions per rank and 4 per group"
-    for r in results:
-        d = r.data
+    return results
+
+
+def whole_groups(call: dict) -> list[str]:
+    """What is wrong with one reward call's grouping (empty: whole groups, ids equal within a group
+    and distinct across groups)."""
+    rows, ids, problems = call["rows"], call["group_ids"], []
+    counts = Counter(rows)
+    runs = [rows[i:i + G] for i in range(0, len(rows), G)]
+    if len(rows) % G or any(len(set(run)) != 1 for run in runs) or any(c != G for c in counts.values()):
+        problems.append(f"rows {rows} are not whole consecutive groups of {G}")
+    if ids is None or len(ids) != len(rows):
+        problems.append(f"group_ids {ids} for {len(rows)} completions")
+    else:
+        id_runs = [ids[i:i + G] for i in range(0, len(ids), G)]
+        if any(len(set(run)) != 1 for run in id_runs):
+            problems.append(f"group_ids {ids} differ inside a group")
+        if len({run[0] for run in id_runs}) != len(id_runs):
+            problems.append(f"group_ids {ids} repeat across groups")
+    if call["num_generations"] != G:
+        problems.append(f"num_generations={call['num_generations']}")
+    return problems
+
+
+# --- I1 -----------------------------------------------------------------------------------------
+
+@needs_adapter
+def test_i1_upstream_splits_the_shape_the_kit_refuses(ranks):
+    rows = [{row for call in r.data["stock_split"] for row in call["rows"]} for r in ranks]
+    assert set.intersection(*rows), "upstream should split each group of 4 over the ranks (2 completions per rank)"
+    for r in ranks:
         for placement in ("local", "main"):
-            assert "Nearest valid settings" in d[f"{placement}_refusal"]  # I1
-            got = d[placement]
-            assert got["rows"] == d["stock"]["rows"] and got["completion_ids"] == d["stock"]["completion_ids"]
-            assert got["advantages"] == pytest.approx(d["stock"]["advantages"], abs=1e-6)  # I3
-            for call in got["calls"]:  # whole groups in every reward call; main: rank 0 only (I4)
-                assert all(len(set(call["rows"][i:i + 4])) == 1 for i in range(0, len(call["rows"]), 4))
-                assert placement == "local" or call["rank"] == 0
-            fault = d[f"{placement}_fault"]  # I5
-            bad = d[f"{placement}_bad_rank"]
-            assert fault and "injected in flaky_reward" in fault and f"rank {bad}" in fault, fault
-            assert d[f"{placement}_fault_s"] < 5.0 + 5.0
-    assert results[0].data["main"]["calls"] and not any(r.data["main"]["calls"] for r in results[1:])
+            refusal = r.data[placement]["refusal"]
+            assert refusal and "Nearest valid settings" in refusal and "per_device_train_batch_size=2" in refusal
+
+
+@needs_adapter
+def test_i1_every_reward_call_holds_whole_groups_with_distinct_ids(ranks):
+    for placement in ("local", "main"):
+        per_rank_rows = []
+        for r in ranks:
+            rows = set()
+            for mode in r.data[placement]["modes"]:
+                for call in mode["calls"]:
+                    assert not whole_groups(call), (placement, whole_groups(call))
+                    rows |= set(call["rows"])
+            per_rank_rows.append(rows)
+        if placement == "local":  # no prompt's group reached two ranks
+            assert not set.intersection(*per_rank_rows)
+    # the checker itself sees upstream's split calls as broken
+    assert any(whole_groups(call) for r in ranks for call in r.data["stock_split"])
+
+
+# --- I2 -----------------------------------------------------------------------------------------
+
+def coverage_defects(run: dict, ranks) -> list[str]:
+    """Every way the rows of 3 epochs break "each row once per epoch, all rows used equally often"."""
+    epochs: dict[int, list[int]] = {}
+    for r in ranks:
+        for call in run(r)["calls"]:
+            epochs.setdefault(call["epoch"], []).extend(call["rows"][::G])
+    defects = []
+    for e, rows in sorted(epochs.items()):
+        if len(set(rows)) != len(rows):
+            defects.append(f"epoch {e} uses a row twice: {sorted(rows)}")
+    for e in sorted(epochs)[:-1]:
+        missing = set(range(N_ROWS)) - set(epochs[e]) - set(epochs[e + 1])
+        if missing:
+            defects.append(f"rows {sorted(missing)} left out of epochs {e} and {e + 1}")
+    counts = Counter(row for rows in epochs.values() for row in rows)
+    spread = [counts.get(row, 0) for row in range(N_ROWS)]
+    if max(spread) - min(spread) > 1:
+        defects.append(f"rows used unequally: {dict(sorted(counts.items()))}")
+    return defects
+
+
+@needs_adapter
+def test_i2_no_row_lost_or_repeated_where_upstream_drops_rows(ranks):
+    assert sorted({c["epoch"] for r in ranks for c in r.data["stock_epochs"]["calls"]}) == [0, 1, 2]
+    stock = coverage_defects(lambda r: r.data["stock_epochs"], ranks)
+    assert stock, "upstream should lose rows on this dataset (2 of 6 left over every epoch)"
+    patched = coverage_defects(lambda r: r.data["patched_epochs"], ranks)
+    assert not patched, patched
+    # the first generation round is upstream's (nothing left over yet): same seed, same permutation
+    first = [[c["rows"] for c in r.data[k]["calls"] if c["epoch"] == 0][0] for r in ranks for k in
+             ("stock_epochs", "patched_epochs")]
+    assert first[0::2] == first[1::2]
+
+
+# --- I3 -----------------------------------------------------------------------------------------
+
+@needs_adapter
+def test_i3_advantages_equal_stock_in_every_mode(ranks):
+    modes = ranks[0].data["modes"]
+    assert len(modes) >= 1
+    for r in ranks:
+        for placement in ("local", "main"):
+            for mode, stock, got in zip(modes, r.data["stock"], r.data[placement]["modes"], strict=True):
+                assert got["rows"] == stock["rows"] and got["completion_ids"] == stock["completion_ids"], mode
+                assert got["advantages"] == pytest.approx(stock["advantages"], abs=1e-6), (placement, mode)
+                assert any(abs(a) > 1e-3 for a in stock["advantages"]), "a vacuous comparison"
+
+
+# --- I4 -----------------------------------------------------------------------------------------
+
+@needs_adapter
+def test_i4_chunks_smaller_than_a_ranks_batch(ranks):
+    world = len(ranks)
+    for r in ranks:  # upstream: one call per rank holding the rank's whole batch
+        for stock in r.data["stock"]:
+            assert [len(c["rows"]) for c in stock["calls"]] == [PBS]
+    for r in ranks:
+        for got in r.data["local"]["modes"]:
+            assert [len(c["rows"]) for c in got["calls"]] == [CHUNK] * (PBS // CHUNK)
+    for got in ranks[0].data["main"]["modes"]:
+        assert [len(c["rows"]) for c in got["calls"]] == [CHUNK] * (world * PBS // CHUNK)
+
+
+@needs_adapter
+def test_i4_a_chunk_size_that_cuts_a_group_is_refused_with_the_nearest_values(ranks):
+    for r in ranks:
+        refusal = r.data["chunk_refusal"] or ""
+        assert f"reward_chunk_size={CHUNK + 1}" in refusal and f"{CHUNK}" in refusal and f"{CHUNK + 2}" in refusal, refusal
+
+
+@needs_adapter
+def test_i4_main_placement_loads_and_runs_reward_models_on_rank0_only(ranks):
+    n_modes = len(ranks[0].data["modes"])
+    for r in ranks:  # upstream: every rank loads the path model, holds both models and runs them
+        assert len(r.data["stock_loads"]) == n_modes
+        assert all(Counter(s["rm_forwards"]) == {"module": 1, "path": 1} for s in r.data["stock"])
+        assert all(s["holds_model"] == [False, False, True, True] for s in r.data["stock"])
+    r0, others = ranks[0].data["main"], [r.data["main"] for r in ranks[1:]]
+    assert len(r0["loads"]) == n_modes
+    assert all(m["holds_model"] == [False, False, True, True] for m in r0["modes"])
+    calls = len(ranks) * PBS // CHUNK  # one forward per chunk and model, every rank's completions
+    assert all(Counter(m["rm_forwards"]) == {"module": calls, "path": calls} for m in r0["modes"])
+    for got in others:
+        assert got["loads"] == [], "a reward model given by path was loaded on a non-main rank"
+        assert all(m["holds_model"] == [False, False, False, False] for m in got["modes"])
+        assert all(m["rm_forwards"] == [] and m["calls"] == [] for m in got["modes"])
+
+
+@needs_adapter
+def test_i4_each_rank_gets_its_own_rewards_with_unequal_counts(ranks):
+    if "unequal" not in ranks[0].data["local"]:
+        pytest.skip("TRL < 0.19 has no reward method to call with unequal per-rank counts (upstream's inline "
+                    "all-gather needs equal counts); tests/test_rewards_distributed.py covers the core")
+    for placement in ("local", "main"):
+        for r in ranks:
+            got = r.data[placement]["unequal"]
+            assert len(got["own"]) == CHUNK * (r.rank + 1)
+            assert got["own"] == pytest.approx(got["expected"], abs=1e-6), (placement, r.rank)
+        sizes = [[len(c["rows"]) for c in r.data[placement]["unequal"]["calls"]] for r in ranks]
+        if placement == "main":
+            assert sizes[0] == [CHUNK] * sum(range(1, len(ranks) + 1)) and not any(sizes[1:])
+        else:
+            assert sizes == [[CHUNK] * (rank + 1) for rank in range(len(ranks))]
+
+
+# --- I5 -----------------------------------------------------------------------------------------
+
+ORIGINAL = {"raise": r"ZeroDivisionError: injected in recording_reward", "wronglen": r"returned 3\b",
+            "nan": r"(?i)\bnan\b", "sleep": r"(?i)timeout|timed out|did not finish"}
+
+
+def assert_failed_everywhere(outcomes: list[dict], kind: str) -> None:
+    for out in outcomes:
+        msg = out["raised"] or ""
+        assert out.get("remote"), f"not grpo_patches.RemoteFailureError: {out}"
+        assert "recording_reward" in msg and f"rank {out['bad_rank']}" in msg, msg
+        assert re.search(ORIGINAL[kind], msg), (kind, msg)
+        assert out["seconds"] < FAULT_BOUND, out
+
+
+@needs_adapter
+def test_i5_upstream_loses_the_cause_or_hangs(ranks):
+    for kind in ("raise", "wronglen"):
+        name = f"upstream_{kind}"
+        bad = ranks[1].data["children"][name]
+        assert bad["raised"] and not bad.get("remote"), bad  # the failing rank dies alone ...
+        peer = ranks[0].data["children"][name]
+        assert peer["hung"] or "recording_reward" not in (peer["raised"] or ""), peer  # ... its peer learns nothing
+    for r in ranks:  # a stuck reward function: every rank still stuck when the worker gives up
+        assert r.data["children"]["upstream_sleep"]["hung"], r.data["children"]["upstream_sleep"]
+        nan = r.data["children"]["upstream_nan"]  # a NaN reward: no rank says so (most releases: no error)
+        assert nan["hung"] or "recording_reward" not in (nan.get("raised") or ""), nan
+
+
+@needs_adapter
+@pytest.mark.parametrize("kind", ["raise", "wronglen", "nan"])
+def test_i5_every_rank_raises_with_the_cause(ranks, kind):
+    for placement in ("local", "main"):
+        assert_failed_everywhere([r.data[placement]["faults"][kind] for r in ranks], kind)
+        assert all(r.data[placement]["after_faults"] for r in ranks)  # and the job can go on
+
+
+@needs_adapter
+@pytest.mark.parametrize("placement", ["local", "main"])
+def test_i5_a_reward_past_the_timeout_fails_every_rank_in_time(ranks, placement):
+    outcomes = [r.data["children"][f"patched_sleep_{placement}"] for r in ranks]
+    assert not any(o["hung"] for o in outcomes), outcomes
+    assert_failed_everywhere(outcomes, "sleep")
+
+
+# --- I6 -----------------------------------------------------------------------------------------
+
+@needs_adapter
+def test_i6_revert_restores_every_attribute_the_adapter_declares(ranks):
+    if "i6" not in ranks[0].data:
+        pytest.skip("this matrix mode cannot turn the kit off (tests/matrix/kit.py CAN_REVERT)")
+    for r in ranks:
+        i6 = r.data["i6"]
+        assert i6["declared"]["GRPOTrainer"] and i6["declared"]["DSMGRPOTrainer"]
+        assert i6["not_wrapped"] == [], "declared but not wrapped around the original"
+        assert i6["changed_after_revert"] == [], "not the identical original after revert()"
