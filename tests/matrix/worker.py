@@ -287,7 +287,11 @@ def start_children() -> dict[str, int]:
     for name, port in zip(CHILDREN, ports, strict=False):
         pid = os.fork()
         if pid == 0:
-            run_child(name, port)
+            try:
+                run_child(name, port)
+            finally:  # a child never returns into the parent's code
+                traceback.print_exc()
+                os._exit(5)
         pids[name] = pid
     return pids
 
