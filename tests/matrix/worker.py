@@ -287,7 +287,11 @@ def start_children() -> dict[str, int]:
     for name, port in zip(CHILDREN, ports, strict=False):
         pid = os.fork()
         if pid == 0:
-            run_child(name, port)
+            try:
+                run_child(name, port)
+            finally:  # a child never returns into the parent's code
+                traceback.print_exc()
+                os._exit(5)
         pids[name] = pid
     return pids
 
@@ -307,7 +311,10 @@ def reap_children(pids: dict[str, int], start: float) -> dict:
             done, status = os.waitpid(pid, os.WNOHANG)
             seen = read_json(child_path(name))
             if done:
-                out[name] = {**seen, "returncode": os.waitstatus_to_exitcode(status), "hung": False}
+                # Stuck past the bound, then ended by its peer's death (each rank's parent kills its own
+                # child; one kill can come first): that child hung too.
+                stuck = seen.get("ended", 0) - seen.get("fault_started", time.time()) > HANG_BOUND
+                out[name] = {**seen, "returncode": os.waitstatus_to_exitcode(status), "hung": stuck}
                 del pending[name]
                 continue
             began = seen.get("fault_started")
