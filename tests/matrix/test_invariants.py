@@ -143,6 +143,11 @@ def coverage_defects(run: dict, ranks) -> list[str]:
 
 @needs_adapter
 def test_i2_no_row_lost_or_repeated_where_upstream_drops_rows(ranks):
+    untrainable = [r.data[k].get("untrainable") for r in ranks for k in ("stock_epochs", "patched_epochs")]
+    if any(untrainable):  # TRL 1.15.0 without Triton: stock and patched fail the same way (worker.py)
+        assert all(u and "_ChunkedLogProbFunction" not in u and "'apply'" in u for u in untrainable), untrainable
+        pytest.skip(f"TRL {TRL} cannot run a training step without Triton (upstream defect, fixed in 1.16): "
+                    f"{untrainable[0]}")
     assert sorted({c["epoch"] for r in ranks for c in r.data["stock_epochs"]["calls"]}) == [0, 1, 2]
     stock = coverage_defects(lambda r: r.data["stock_epochs"], ranks)
     assert stock, "upstream should lose rows on this dataset (2 of 6 left over every epoch)"
