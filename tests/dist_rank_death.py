@@ -17,7 +17,6 @@ time it goes down (``VICTIM_DOWN <time>``) just before.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -26,10 +25,10 @@ import time
 import traceback
 
 from tests.helpers import grpo_args, lora, prompt_dataset, quiet, target_share, tiny_policy, tiny_tokenizer
+from tests.launch import end_rank
 
 quiet()
 
-import torch.distributed as dist  # noqa: E402
 
 import grpo_patches  # noqa: E402
 
@@ -85,14 +84,7 @@ def main() -> None:
         data["traceback"] = traceback.format_exc()[-3000:]
         code = 3
     data["t_end"] = time.time()
-    with open(os.path.join(outdir, f"rank{RANK}.json"), "w") as f:
-        json.dump(data, f)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if code == 0 and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-    os._exit(code)
+    end_rank(outdir, RANK, data, code)
 
 
 if __name__ == "__main__":

@@ -9,16 +9,15 @@ the same for steps 7-8. The pytest side (test_resume.py) compares the two.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import traceback
 
 from tests.helpers import grpo_args, lora, prompt_dataset, quiet, target_share, tiny_policy, tiny_tokenizer
+from tests.launch import end_rank
 
 quiet()
 
-import torch.distributed as dist  # noqa: E402
 
 import grpo_patches  # noqa: E402
 
@@ -78,14 +77,7 @@ def main() -> None:
         data["error"] = f"{type(exc).__name__}: {exc}"
         data["traceback"] = traceback.format_exc()[-3000:]
         code = 3
-    with open(os.path.join(outdir, f"rank{RANK}.json"), "w") as f:
-        json.dump(data, f)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if code == 0 and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-    os._exit(code)
+    end_rank(outdir, RANK, data, code)
 
 
 if __name__ == "__main__":

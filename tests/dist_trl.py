@@ -5,7 +5,6 @@ Each rank writes ``OUTDIR/rank<r>.json``; the pytest side (test_trl_*.py) assert
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -21,11 +20,11 @@ from tests.helpers import (
     tiny_reward_model,
     tiny_tokenizer,
 )
+from tests.launch import end_rank
 
 quiet()
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 
 import grpo_patches  # noqa: E402
 
@@ -206,14 +205,7 @@ def main() -> None:
         data["error_time"] = time.time()
         data["traceback"] = traceback.format_exc()[-3000:]
         code = 3
-    with open(os.path.join(outdir, f"rank{RANK}.json"), "w") as f:
-        json.dump(data, f)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if code == 0 and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-    os._exit(code)
+    end_rank(outdir, RANK, data, code)
 
 
 if __name__ == "__main__":

@@ -8,13 +8,13 @@ kit's side group after destroy_process_group and a new default group; no TRL).
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
 import traceback
 
 from tests.helpers import grpo_args, lora, prompt_dataset, quiet, tiny_policy, tiny_tokenizer
+from tests.launch import end_rank
 
 quiet()
 
@@ -142,14 +142,7 @@ def main() -> None:
         data["error"] = f"{type(exc).__name__}: {exc}"
         data["traceback"] = traceback.format_exc()[-3000:]
         code = 3
-    with open(os.path.join(outdir, f"rank{RANK}.json"), "w") as f:
-        json.dump(data, f)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if code == 0 and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-    os._exit(code)
+    end_rank(outdir, RANK, data, code)
 
 
 if __name__ == "__main__":

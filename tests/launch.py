@@ -95,5 +95,23 @@ def run_ranks(module: str, *args: str, world_size: int = 2, deadline: float = 12
     return results
 
 
+def end_rank(outdir: str, rank: int, data: dict, code: int) -> None:
+    """A rank worker's last step: the JSON ``run_ranks`` reads, then an exit that cannot block.
+
+    torch 2.13 + gloo at process exit can abort (group alive) or hang (group destroyed, normal
+    return); barrier, ``destroy_process_group()`` and ``os._exit`` fixed both (FACTS.md).
+    """
+    with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
+        json.dump(data, f)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    import torch.distributed as dist
+
+    if code == 0 and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    os._exit(code)
+
+
 def describe(results: list[RankResult]) -> str:
     return "\n".join(f"--- rank {r.rank} rc={r.returncode} t={r.seconds:.1f}s\n{r.output[-3000:]}" for r in results)
