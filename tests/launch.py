@@ -75,6 +75,13 @@ def run_ranks(module: str, *args: str, world_size: int = 2, deadline: float = 12
         logs.append(log)
         procs.append(subprocess.Popen([sys.executable, "-m", module, str(outdir), *args], cwd=ROOT,
                                       env=rank_env, stdout=log, stderr=subprocess.STDOUT))
+    return collect(procs, logs, outdir, start, deadline)
+
+
+def collect(procs: list, logs: list, outdir: Path, start: float, deadline: float) -> list[RankResult]:
+    """Wait for the ranks until ``deadline`` s after ``start``, kill the ones still running (a hang),
+    and read each rank's exit code, log and ``OUTDIR/rank<r>.json``."""
+    world_size = len(procs)
     ended: dict[int, float] = {}
     while len(ended) < world_size and time.monotonic() - start < deadline:
         for rank, p in enumerate(procs):

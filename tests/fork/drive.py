@@ -25,7 +25,7 @@ sys.path.insert(0, str(HERE.parent))  # tests/: launch.py (stdlib only)
 sys.path.insert(0, str(HERE))
 
 import checks  # noqa: E402
-from launch import RankResult, describe, free_port  # noqa: E402
+from launch import RankResult, collect, describe, free_port  # noqa: E402
 
 
 def apply_patch(patch: Path) -> str:
@@ -73,24 +73,7 @@ def launch(scenario: str, mode: str, world_size: int, deadline: float, *, python
         cmd = ([str(python), "-m", module, str(outdir), *args] if module
                else [str(python), str(HERE / "worker.py"), str(outdir), scenario])
         procs.append(subprocess.Popen(cmd, cwd=outdir, env=rank_env, stdout=log, stderr=subprocess.STDOUT))
-    ended: dict[int, float] = {}
-    while len(ended) < world_size and time.monotonic() - start < deadline:
-        for rank, p in enumerate(procs):
-            if rank not in ended and p.poll() is not None:
-                ended[rank] = time.monotonic() - start
-        time.sleep(0.1)
-    results = []
-    for rank, (p, log) in enumerate(zip(procs, logs, strict=True)):
-        code = p.returncode if rank in ended else None
-        if code is None:
-            p.kill()
-            p.wait()
-        log.seek(0)
-        data_file = outdir / f"rank{rank}.json"
-        data = json.loads(data_file.read_text()) if data_file.exists() else {}
-        results.append(RankResult(rank, code, log.read(), ended.get(rank, deadline), data))
-        log.close()
-    return results
+    return collect(procs, logs, outdir, start, deadline)
 
 
 def main(argv: list[str] | None = None) -> int:
