@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import dataclasses
 import functools
 import gc
@@ -228,18 +229,25 @@ def bench_generate(name: str, args, device, dtype) -> dict:
         res.update(time_fast(model, "fast", fast_config, base_config, one_token, lengths, batch, vocab, new, device))
         gc.collect()
     graph_config = dataclasses.replace(fast_config, decode_loop="graph", check_every=args.check_every)
-    graph_paths = {"graph": graph_config, "graph_unmerged": dataclasses.replace(graph_config, merge_lora=False),
+    graph_paths = {"graph": graph_config,
+                   "graph_model": dataclasses.replace(graph_config, fused_decode=False),
+                   "graph_unmerged": dataclasses.replace(graph_config, merge_lora=False),
                    "graph_kept": dataclasses.replace(graph_config, release_after_sampling=False)}
     for label, config in graph_paths.items():
         if label not in paths:
             continue
         try:
-            stats0 = dataclasses.replace(generation.GRAPH_STATS)
+            stats0 = copy.deepcopy(generation.GRAPH_STATS)
             res.update(time_fast(model, label, config, trl_generation_config(new, graph=True),
                                  trl_generation_config(1, graph=True), lengths, batch, vocab, new, device))
             stats = generation.GRAPH_STATS
             res[f"{label}_calls"] = stats.calls - stats0.calls
             res[f"{label}_fallbacks"] = stats.fallbacks - stats0.fallbacks
+            fused = stats.fused
+            res[f"{label}_fused"] = {"calls": fused.calls - stats0.fused.calls, "captures": fused.captures
+                                     - stats0.fused.captures, "replays": fused.replays - stats0.fused.replays,
+                                     "capture_s": fused.capture_seconds - stats0.fused.capture_seconds,
+                                     "not_fused_because": fused.last_reason, "capture_errors": fused.capture_errors}
             if res[f"{label}_fallbacks"]:
                 res[f"{label}_error"] = f"fell back to transformers' loop: {stats.last_reason}"
             buffer = generation._MERGED.get(model)
@@ -255,14 +263,14 @@ def bench_generate(name: str, args, device, dtype) -> dict:
     res["merged_buffer_gib"] = res["merged_buffer_bytes"] / 2**30
     res["graphs_compiled_first_call"] = res.get("fast_graphs_compiled_first_call")
     res["recompiles_after_warmup"] = res.get("fast_recompiles_after_warmup")
-    for label in ("fast", "graph", "graph_unmerged", "graph_kept"):
+    for label in ("fast", "graph", "graph_model", "graph_unmerged", "graph_kept"):
         if f"{label}_ms_per_decode_step" in res and "eager_ms_per_decode_step" in res:
             res[f"speedup_{label}"] = res["eager_ms_per_decode_step"] / res[f"{label}_ms_per_decode_step"]
     cache_len = -(-max(lengths) // args.bucket) * args.bucket + new
     res["hbm_floor_ms_params"], res["hbm_kv_ms_full_cache"] = floor_ms(model, batch, cache_len)
     floor = res["hbm_floor_ms_params"] + res["hbm_kv_ms_full_cache"]
     res["floor_ms_per_step"] = floor
-    for label in ("eager", "fast", "graph", "graph_unmerged", "graph_kept"):
+    for label in ("eager", "fast", "graph", "graph_model", "graph_unmerged", "graph_kept"):
         if f"{label}_ms_per_decode_step" in res:
             res[f"{label}_x_floor"] = res[f"{label}_ms_per_decode_step"] / floor
     model = None
@@ -554,7 +562,9 @@ def main(argv=None) -> int:
                            ("fast ms/step", "fast_ms_per_decode_step"), ("x floor", "fast_x_floor"),
                            ("graph unmerged ms/step", "graph_unmerged_ms_per_decode_step"),
                            ("x floor", "graph_unmerged_x_floor"),
-                           ("graph (merged) ms/step", "graph_ms_per_decode_step"), ("x floor", "graph_x_floor"),
+                           ("graph, model forward (merged) ms/step", "graph_model_ms_per_decode_step"),
+                           ("x floor", "graph_model_x_floor"),
+                           ("graph, fused step (merged) ms/step", "graph_ms_per_decode_step"), ("x floor", "graph_x_floor"),
                            ("graph kept ms/step", "graph_kept_ms_per_decode_step"),
                            ("graph speed-up vs eager", "speedup_graph"),
                            ("first graph call s (compile)", "graph_first_call_s"),

@@ -78,6 +78,9 @@ VARIANTS: dict[str, tuple[dict[str, Any] | None, dict[str, Any]]] = {
     # the adapter's matmuls at every token (no 2.4 GiB buffer for the 1.5B policy), caches released
     "patched-graph-nomerge": ({"reward_placement": "local", "fast_generation": {
         "decode_loop": "graph", "merge_lora": False}}, {}),
+    # the graph loop over the model's own forward (the default before the fused step): merged buffer, released
+    "patched-graph-model": ({"reward_placement": "local", "fast_generation": {
+        "decode_loop": "graph", "fused_decode": False}}, {}),
     # merged buffer, but caches and buffer kept through training (no re-allocation between rounds)
     "patched-graph-kept": ({"reward_placement": "local", "fast_generation": {
         "decode_loop": "graph", "release_after_sampling": False}}, {}),

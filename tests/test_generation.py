@@ -974,3 +974,108 @@ def test_merged_buffer_leaves_layers_of_another_dtype_on_peft_path():
             assert not odd.merged and odd.get_base_layer().weight is weight
             assert all(m.merged for m in others)
     assert not any(m.merged for m in others)
+
+
+# the fused decode step (fused_decode=True, the default): the kit's own forward for Llama / Qwen2 ------
+
+
+def qwen2_lora_policy(seed=0):
+    """A Qwen2 (q/k/v biases, set nonzero) with LoRA on all seven projections, GQA 4 heads on 2."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers import tiny_config
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config("qwen2", max_position_embeddings=256))
+    model.generation_config.pad_token_id, model.generation_config.eos_token_id = 0, 1
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_()
+    peft = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=ALL_PROJ,
+                                            task_type="CAUSAL_LM"))
+    for name, p in peft.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.5)
+    return peft
+
+
+@pytest.mark.parametrize("make", [lora_policy, qwen2_lora_policy], ids=["llama", "qwen2-bias"])
+def test_fused_step_equals_eager_generate_and_runs_q_k_v_and_gate_up_as_one_matmul(make):
+    from grpo_patches.generation.fused import FusedDecoder
+
+    model = make()
+    fused0 = generation.GRAPH_STATS.fused.calls
+    counting = Counting()
+    config = graph_config(counting, check_every=4)
+    for seed, lengths in enumerate(([5, 9, 7, 3], [11, 4, 8, 6])):
+        ids, mask = batch(lengths, seed=seed)
+        assert torch.equal(fast_generate(model, ids, mask, generation_config=greedy(), config=config),
+                           eager_generate(model, ids, mask)), lengths
+    assert generation.GRAPH_STATS.fused.calls == fused0 + 2 and generation.GRAPH_STATS.fused.last_reason == ""
+    assert counting.compiles == 1 and counting.runs >= 2 * 11
+    # the fused q/k/v and gate/up matrices are views of the merged buffer, not copies
+    model.eval()
+    with generation.MergedLoRAWeights().applied(model):
+        decoder, why = FusedDecoder.bind(model)
+        assert why == "" and decoder.fused_groups == 2 * model.config.num_hidden_layers
+        ln1, qkv, o, ln2, gate_up, down = decoder.args[1][0]
+        q = model.get_base_model().model.layers[0].self_attn.q_proj.get_base_layer().weight
+        assert len(qkv) == 1 and qkv[0][0].data_ptr() == q.data_ptr() and qkv[0][0].shape[0] > q.shape[0]
+    # meaningful: the adapter changes the tokens (a step that dropped it would fail above)
+    with_adapter = eager_generate(model, ids, mask)
+    with model.disable_adapter():
+        assert not torch.equal(eager_generate(model, ids, mask), with_adapter)
+
+
+def test_fused_step_is_not_taken_over_an_unmerged_adapter_and_the_model_forward_gives_the_same_tokens():
+    model = lora_policy()
+    ids, mask = batch([5, 9, 7, 3])
+    eager = eager_generate(model, ids, mask)
+    fused0 = generation.GRAPH_STATS.fused.calls
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        unmerged = fast_generate(model, ids, mask, generation_config=greedy(),
+                                 config=graph_config(Counting(), merge_lora=False))
+    assert torch.equal(unmerged, eager)
+    assert generation.GRAPH_STATS.fused.calls == fused0, "an unmerged adapter keeps the model's forward"
+    assert "not a plain linear map" in generation.GRAPH_STATS.fused.last_reason
+    assert any("fused decode step does not apply" in str(w.message) for w in caught)
+    off = fast_generate(model, ids, mask, generation_config=greedy(), config=graph_config(Counting(), fused_decode=False))
+    assert torch.equal(off, eager) and generation.GRAPH_STATS.fused.calls == fused0
+    assert generation.GRAPH_STATS.fused.last_reason == "fused_decode=False"
+
+
+def test_merged_buffer_is_one_block_per_decoder_layer_in_module_order():
+    model = lora_policy()
+    model.eval()
+    buffer = generation.MergedLoRAWeights()
+    with buffer.applied(model) as merged:
+        assert merged == 2 * len(ALL_PROJ)
+        assert len(buffer.chunks) == model.config.num_hidden_layers
+        for layer, chunk in zip(model.get_base_model().model.layers, buffer.chunks, strict=True):
+            w = [getattr(layer.self_attn if n.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else layer.mlp,
+                         n).get_base_layer().weight for n in ALL_PROJ]
+            assert w[0].data_ptr() == chunk.data_ptr()
+            assert all(a.data_ptr() + a.numel() * a.element_size() == b.data_ptr() for a, b in zip(w, w[1:], strict=False))
+    assert buffer.nbytes == sum(c.numel() * c.element_size() for c in buffer.chunks) > 0
+
+
+@gpu
+@pytest.mark.slow
+def test_gpu_fused_loop_is_one_cuda_graph_per_check_every_tokens_captured_once_and_equal_to_eager():
+    model = eos_prone_policy().cuda()
+    kept = FastGenerationConfig(decode_loop="graph", check_every=4, release_after_sampling=False)
+    stats = generation.GRAPH_STATS.fused
+    captures0, replays0 = stats.captures, stats.replays
+    for seed, lengths in enumerate(([5, 9, 7, 3], [11, 4, 8, 6], [2, 13, 9, 9])):
+        ids, mask = (t.cuda() for t in batch(lengths, seed=seed))
+        assert torch.equal(fast_generate(model, ids, mask, generation_config=greedy(), config=kept),
+                           eager_generate(model, ids, mask)), lengths
+    assert stats.capture_errors == [] and stats.captures == captures0 + 1, "captured once, replayed after"
+    assert stats.replays - replays0 >= 3 * 2, "12 new tokens in replays of 4"
+    released = FastGenerationConfig(decode_loop="graph", check_every=4)  # the default: graph dropped with the cache
+    assert torch.equal(fast_generate(model, ids, mask, generation_config=greedy(), config=released),
+                       eager_generate(model, ids, mask))
+    assert stats.captures == captures0 + 2 and not generation._MERGED[model].chunks

@@ -26,11 +26,13 @@ class StaticCachePool:
         self.length = 0
         self.caches: dict[tuple[int, int], Any] = {}
         self.built = 0  # caches constructed (a release makes the next call build again)
+        self.graphs: dict = {}  # the fused loop's captured CUDA graphs over these caches (fused_loop)
 
     def grow(self, wanted: int) -> int:
         if wanted > self.length:
             self.length = wanted
             self.caches = {k: v for k, v in self.caches.items() if k[1] == wanted}
+            self.graphs = {}
         return self.length
 
     def get(self, model: nn.Module, batch: int) -> Any:
@@ -47,3 +49,4 @@ class StaticCachePool:
 
     def release(self) -> None:
         self.caches = {}
+        self.graphs = {}

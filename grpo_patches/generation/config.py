@@ -20,7 +20,7 @@ _warned: set[str] = set()
 _warn_lock = threading.Lock()
 
 _BOOLS = ("pad_prompts", "dropout_off_while_sampling", "compile", "force_compile", "fullgraph", "reuse_cache",
-          "record_sampling_logprobs", "merge_lora", "release_after_sampling")
+          "record_sampling_logprobs", "merge_lora", "release_after_sampling", "fused_decode")
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,11 @@ class FastGenerationConfig:
             the adapter's two matmuls run in every projection at every token.
         release_after_sampling: free the static KV caches and the merged-weight buffer after each
             call, so the training phase has that memory back (the next call allocates them again).
+        fused_decode: ``decode_loop="graph"``: decode with the kit's own step for Llama / Qwen2 /
+            Mistral-shaped policies (q/k/v and gate/up as one matmul each over the merged buffer,
+            attention without ``repeat_kv``) and, on CUDA, ``check_every`` steps per CUDA graph.
+            Taken only where every projection is a plain linear map at sampling time (the merged
+            buffer, or no adapter); otherwise, or with ``False``, the model's own forward runs.
     """
 
     bucket: int = 64
@@ -76,6 +81,7 @@ class FastGenerationConfig:
     check_every: int = 16
     merge_lora: bool = True
     release_after_sampling: bool = True
+    fused_decode: bool = True
 
     def __post_init__(self) -> None:
         for name in _BOOLS:

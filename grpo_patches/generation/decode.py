@@ -8,10 +8,9 @@ worse than a slower one."""
 from __future__ import annotations
 
 import functools
-import math
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -19,6 +18,12 @@ from torch import nn
 
 from .cache import StaticCachePool
 from .config import FastGenerationConfig, cache_length, warn_once
+from .fused import FusedDecoder
+from .fused_loop import FusedLoopStats, fused_decode
+from .sampler import Sampler as _Sampler
+from .sampler import eos_hit as _eos_hit
+from .sampler import pick as _pick
+from .sampler import warp as _warp
 
 __all__ = ["GRAPH_STATS", "GraphDecodeStats", "call_generate", "graph_decode_support"]
 
@@ -44,52 +49,6 @@ _NEUTRAL: dict[str, tuple] = {
     "constraints": (None,), "force_words_ids": (None,), "prefill_chunk_size": (None,),
     "speculation_type": (None,), "is_assistant": (None, False),
 }
-
-
-@dataclass(frozen=True)
-class _Sampler:
-    """What one decode step needs to pick the next token (Python constants of the compiled step)."""
-
-    do_sample: bool
-    temperature: float
-    top_k: int
-    top_p: float
-    eos: tuple[int, ...]
-    pad: int
-
-
-def _warp(logits: torch.Tensor, s: _Sampler) -> torch.Tensor:
-    """fp32 scores after transformers' Temperature -> TopK -> TopP warpers (min_tokens_to_keep=1)."""
-    scores = logits.float()
-    if not s.do_sample:
-        return scores
-    if s.temperature != 1.0:
-        scores = scores / s.temperature
-    if s.top_k:
-        k = min(max(s.top_k, 1), scores.shape[-1])
-        kth = torch.topk(scores, k).values[..., -1:]
-        scores = scores.masked_fill(scores < kth, -math.inf)  # ties with the k-th are kept
-    if s.top_p < 1.0:
-        sorted_scores, order = torch.sort(scores, descending=False)
-        remove = sorted_scores.softmax(-1).cumsum(-1) <= (1 - s.top_p)
-        remove[..., -1:] = False  # the most likely token is always kept
-        scores = scores.masked_fill(remove.scatter(-1, order, remove), -math.inf)
-    return scores
-
-
-def _pick(scores: torch.Tensor, s: _Sampler) -> torch.Tensor:
-    """Greedy, or one sample of softmax(scores) (Gumbel-max: argmax(scores + Gumbel noise))."""
-    if not s.do_sample:
-        return scores.argmax(-1)
-    u = torch.rand_like(scores).clamp_(min=torch.finfo(torch.float32).tiny)
-    return (scores - torch.log(-torch.log(u))).argmax(-1)
-
-
-def _eos_hit(tokens: torch.Tensor, s: _Sampler) -> torch.Tensor:
-    hit = torch.zeros_like(tokens, dtype=torch.bool)
-    for e in s.eos:
-        hit = hit | (tokens == e)
-    return hit
 
 
 def _make_step(s: _Sampler) -> Callable:
@@ -189,6 +148,7 @@ class GraphDecodeStats:
     fallbacks: int = 0  # calls sent to the transformers loop (unsupported config)
     steps: int = 0  # compiled decode steps run
     last_reason: str = ""
+    fused: FusedLoopStats = field(default_factory=FusedLoopStats)  # the fused step's loop (fused_decode)
 
 
 GRAPH_STATS = GraphDecodeStats()  # fast_generate's counters
@@ -204,9 +164,9 @@ def _forward_kwargs(model: nn.Module) -> bool:
         return False
 
 
-def _graph_decode(model: nn.Module, cache: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                  s: _Sampler, max_new: int, config: FastGenerationConfig, stats: GraphDecodeStats) -> torch.Tensor:
-    """Prefill eagerly, then one compiled step per token; returns what ``generate`` returns."""
+def _prefill(model: nn.Module, cache: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+             s: _Sampler, max_new: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The eager prefill into ``cache``: ``(first sampled token [B], key mask [B, L], cache length)``."""
     batch, prompt = input_ids.shape
     device = input_ids.device
     if attention_mask is None:
@@ -222,7 +182,28 @@ def _graph_decode(model: nn.Module, cache: Any, input_ids: torch.Tensor, attenti
     logits = model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
                    cache_position=torch.arange(prompt, device=device), past_key_values=cache, use_cache=True,
                    **extra).logits[:, -1, :]
-    first = _pick(_warp(logits, s), s)
+    return _pick(_warp(logits, s), s), mask, length
+
+
+def _finish(input_ids: torch.Tensor, out: torch.Tensor, s: _Sampler, max_new: int,
+            stats: GraphDecodeStats) -> torch.Tensor:
+    """What ``generate`` returns: up to the step at which the last row ended (or max_new_tokens)."""
+    out = out[:, :max_new]
+    ended = _eos_hit(out, s)
+    first_end = torch.where(ended.any(-1), ended.int().argmax(-1), max_new - 1)
+    new = int(first_end.max()) + 1 if s.eos else max_new
+    stats.calls += 1
+    return torch.cat([input_ids, out[:, :new]], dim=1)
+
+
+def _graph_decode(model: nn.Module, cache: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                  s: _Sampler, max_new: int, config: FastGenerationConfig, stats: GraphDecodeStats) -> torch.Tensor:
+    """Prefill eagerly, then one compiled step of the model's own forward per token."""
+    batch, prompt = input_ids.shape
+    device = input_ids.device
+    first, mask, _ = _prefill(model, cache, input_ids, attention_mask, s, max_new)
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
     out = torch.full((batch, max_new), s.pad, dtype=input_ids.dtype, device=device)
     out[:, 0] = first
     tokens = first.view(batch, 1).to(input_ids.dtype)
@@ -243,12 +224,7 @@ def _graph_decode(model: nn.Module, cache: Any, input_ids: torch.Tensor, attenti
         stats.steps += 1
         if t % config.check_every == 0 and not bool(unfinished.any()):
             break
-    # generate's length: up to the step at which the last row ended (or max_new_tokens)
-    ended = _eos_hit(out, s)
-    first_end = torch.where(ended.any(-1), ended.int().argmax(-1), max_new - 1)
-    new = int(first_end.max()) + 1 if s.eos else max_new
-    stats.calls += 1
-    return torch.cat([input_ids, out[:, :new]], dim=1)
+    return _finish(input_ids, out, s, max_new, stats)
 
 
 def _pooled_generate(model: nn.Module, pool: StaticCachePool | None, **kwargs: Any) -> Any:
@@ -304,6 +280,28 @@ def _graph_generate(model: nn.Module, *, pool: StaticCachePool, config: FastGene
 
         cache = StaticCache(config=model.config, max_cache_len=length)
     with torch.no_grad():
-        return _graph_decode(model, cache, input_ids, attention_mask, s, max_new, config, stats)
+        decoder, why = FusedDecoder.bind(model) if config.fused_decode else (None, "fused_decode=False")
+        stats.fused.last_reason = why
+        if decoder is None:
+            if config.fused_decode:
+                warn_once(f"unfused:{why}", "grpo_patches fast_generation: the fused decode step does not apply "
+                          f"({why}); decoding with the model's own forward (slower, same tokens).")
+            return _graph_decode(model, cache, input_ids, attention_mask, s, max_new, config, stats)
+        return _fused_generate(model, decoder, cache, input_ids, attention_mask, s, max_new, config, stats,
+                               pool.graphs if config.reuse_cache else None)
+
+
+def _fused_generate(model: nn.Module, decoder: FusedDecoder, cache: Any, input_ids: torch.Tensor,
+                    attention_mask: torch.Tensor | None, s: _Sampler, max_new: int, config: FastGenerationConfig,
+                    stats: GraphDecodeStats, graphs: dict | None) -> torch.Tensor:
+    """The prefill, then the fused step's loop (``fused_loop``); CUDA graphs only on the pool's cache."""
+    first, mask, _ = _prefill(model, cache, input_ids, attention_mask, s, max_new)
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    positions = attention_mask.long().sum(-1, keepdim=True)  # the first new token's position
+    out, steps = fused_decode(model, decoder, cache, first, mask, positions, input_ids.shape[1], s, max_new, config,
+                              stats.fused, graphs)
+    stats.steps += steps
+    return _finish(input_ids, out, s, max_new, stats)
 
 

@@ -12,8 +12,8 @@ buffer can never hold stale weights.
 
 Only plain LoRA on ``nn.Linear`` is merged (no DoRA or other variant, no ``lora_bias``, no
 ``fan_in_fan_out``, no quantized base, no active dropout); every other layer keeps PEFT's path.
-The buffer is one flat allocation, so after :meth:`MergedLoRAWeights.release` the allocator tends
-to hand the same block back and the CUDA graph keeps its addresses (``moves`` counts when not).
+After :meth:`MergedLoRAWeights.release` the allocator often hands the same blocks back, and a CUDA
+graph recorded over them keeps its addresses (``moves`` counts the calls where not).
 """
 
 from __future__ import annotations
@@ -70,43 +70,66 @@ def _unmergeable(module: Any, adapter: str) -> bool:
 
 
 class MergedLoRAWeights:
-    """The merged-weight buffer of one policy, refreshed at each :meth:`applied` block."""
+    """The merged-weight buffer of one policy, refreshed at each :meth:`applied` block.
+
+    One allocation per decoder layer (its projections back to back, in module order, so q/k/v and
+    gate/up are each one contiguous matrix: the fused decode step's views). Per layer rather than one
+    block for the whole policy: after a release, a 2.4 GiB block needs a hole that large again, and
+    the long-lived tensors the training phase creates in the freed block (optimizer state at the
+    first step) leave none under a tight memory cap; an ~90 MB layer fits between them.
+    """
 
     def __init__(self) -> None:
-        self.flat: torch.Tensor | None = None
+        self.chunks: list[torch.Tensor] = []
         self._layout: tuple | None = None
         self._params: list[nn.Parameter] = []
         self.refreshes = 0
         self.allocations = 0
-        self.moves = 0  # allocations that landed at a new address (a CUDA graph re-records then)
+        self.moves = 0  # allocations that landed at other addresses (a CUDA graph re-records then)
         self.skipped = 0  # calls that sampled unmerged because the buffer did not fit in memory
-        self._address: int | None = None
+        self._addresses: tuple | None = None
+
+    @property
+    def flat(self) -> torch.Tensor | None:
+        """The first layer's block (None when released): its address stands for the buffer's."""
+        return self.chunks[0] if self.chunks else None
 
     @property
     def nbytes(self) -> int:
-        return 0 if self.flat is None else self.flat.numel() * self.flat.element_size()
+        return sum(c.numel() * c.element_size() for c in self.chunks)
 
-    def _allocate(self, layers: list[tuple[nn.Module, tuple[str, ...]]]) -> None:
+    def _allocate(self, model: nn.Module, layers: list[tuple[nn.Module, tuple[str, ...]]]) -> None:
         weights = [m.get_base_layer().weight for m, _ in layers]
         dtype, device = weights[0].dtype, weights[0].device
         layout = tuple((id(m), tuple(w.shape), w.dtype, w.device) for (m, _), w in zip(layers, weights, strict=True))
-        if self.flat is not None and layout == self._layout:
+        if self.chunks and layout == self._layout:
             return
-        offsets, total = [], 0
-        for w in weights:
-            offsets.append(total)
-            total += -(-w.numel() // _ALIGN) * _ALIGN
-        self.flat = None
-        self._params = []
-        self.flat = torch.empty(total, dtype=dtype, device=device)
-        self._params = [nn.Parameter(self.flat[o:o + w.numel()].view(w.shape), requires_grad=False)
-                        for o, w in zip(offsets, weights, strict=True)]
+        owner = {id(m): name.rsplit(".", 2)[0] for name, m in model.named_modules()}  # "...layers.3"
+        groups: list[list[int]] = []
+        for i, (m, _) in enumerate(layers):
+            if groups and owner.get(id(m)) == owner.get(id(layers[groups[-1][0]][0])):
+                groups[-1].append(i)
+            else:
+                groups.append([i])
+        self.chunks, self._params = [], []
+        params: list[nn.Parameter | None] = [None] * len(layers)
+        for group in groups:
+            offsets, total = [], 0
+            for i in group:
+                offsets.append(total)
+                total += -(-weights[i].numel() // _ALIGN) * _ALIGN
+            chunk = torch.empty(total, dtype=dtype, device=device)
+            self.chunks.append(chunk)
+            for i, o in zip(group, offsets, strict=True):
+                w = weights[i]
+                params[i] = nn.Parameter(chunk[o:o + w.numel()].view(w.shape), requires_grad=False)
+        self._params = params  # type: ignore[assignment]
         self._layout = layout
         self.allocations += 1
-        address = self.flat.data_ptr()
-        if self._address is not None and address != self._address:
+        addresses = tuple(c.data_ptr() for c in self.chunks)
+        if self._addresses is not None and addresses != self._addresses:
             self.moves += 1
-        self._address = address
+        self._addresses = addresses
 
     @torch.no_grad()
     def _refresh(self, layers: list[tuple[nn.Module, tuple[str, ...]]]) -> None:
@@ -122,7 +145,7 @@ class MergedLoRAWeights:
     def applied(self, model: nn.Module) -> Iterator[int]:
         """Inside the block the model samples from the merged buffer; yields how many layers merged."""
         layers = mergeable_layers(model)
-        if layers:  # one flat buffer: layers of another dtype or device (rare) keep PEFT's own path
+        if layers:  # one dtype and device: layers of another (rare) keep PEFT's own path
             first = layers[0][0].get_base_layer().weight
             layers = [(m, a) for m, a in layers if (m.get_base_layer().weight.dtype, m.get_base_layer().weight.device)
                       == (first.dtype, first.device)]
@@ -130,7 +153,7 @@ class MergedLoRAWeights:
             yield 0
             return
         try:
-            self._allocate(layers)
+            self._allocate(model, layers)
         except torch.OutOfMemoryError:  # the buffer is a speed-up, never a reason to fail: sample unmerged
             self.release()
             self.skipped += 1
@@ -155,6 +178,6 @@ class MergedLoRAWeights:
 
     def release(self) -> None:
         """Free the buffer (the next :meth:`applied` allocates and fills it again)."""
-        self.flat = None
+        self.chunks = []
         self._params = []
         self._layout = None

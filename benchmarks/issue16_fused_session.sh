@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Issue 16, the fused decode step (generation/fused.py, fused_loop.py) on one H200, two calls:
+#
+#   bash benchmarks/issue16_fused_session.sh 1   # GPU tests of the fast path; decode ms/step, 1.5B, batch 8:
+#                                                # TRL's eager sampling, the graph loop over the model's forward
+#                                                # (the previous default), the fused step (the new default);
+#                                                # GRPO step, 1 GPU, 1.5B: stock vs patched-graph
+#   bash benchmarks/issue16_fused_session.sh 2   # 24 GiB cap, 1.5B, checkpointing on: stock 192, kit 192 and
+#                                                # above; batch 160 for the floor multiple
+#
+# Wheels the device image lacks (trl, datasets, dill, multiprocess) come from .whl/sharded (carry ".whl").
+# Results: benchmarks/results/2026-12-01-h200-issue16-fused/ and $OUT/partN.tar.gz.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+part=${1:?part 1 or 2}
+R=${R:-benchmarks/results/2026-12-01-h200-issue16-fused}
+mkdir -p "$R"
+TAG=issue16f
+. benchmarks/device_jobs.sh
+python3 -m pip install -q --no-deps --no-index .whl/sharded/trl-*.whl .whl/sharded/datasets-*.whl \
+    .whl/sharded/dill-*.whl .whl/sharded/multiprocess-*.whl 2>&1 | tail -2
+python3 -c "import torch, transformers, peft, trl; print(torch.__version__, transformers.__version__, peft.__version__, trl.__version__)" \
+    | tee "$R/versions.txt"
+probe() {  # probe VARIANT BATCH: one 24 GiB probe, 1 + 2 steps
+  echo "python3 benchmarks/bench_grpo.py --find-max-batch --nproc 1 --mem-cap-gb 24 --policy 1.5b --grad-ckpt on \
+    --variants $1 --start-batch $2 --max-batch-limit $2 --probe-steps 3 --probe-timeout ${3:-125} --out $R/24gb-1.5b"
+}
+case $part in
+1)
+  job gpu-tests 150 "python3 -m pytest -q -p no:cacheprovider -k 'gpu or cuda' tests/test_generation.py"; wait
+  job decode-1.5b 170 "python3 benchmarks/bench_generation.py --policy 1.5b --paths eager,graph_model,graph \
+    --repeats 1 --out $R/decode-1.5b.json"; wait
+  job grpo-1.5b 200 "GPUS=1 POLICY=1.5b VARIANTS=stock,patched-graph STEPS=2 BUDGET_S=195 \
+    BENCH_OUT=$R/1gpu-1.5b bash benchmarks/run_bench.sh"
+  ;;
+2)
+  job 24gb 420 "$(probe stock 192); $(probe patched-graph 192); $(probe patched-graph 224); $(probe patched-graph 160 100)"
+  ;;
+*) echo "part must be 1 or 2" >&2; exit 2 ;;
+esac
+wait
+log "part $part done"
+for f in "$R"/*.log; do echo "== $f"; tail -30 "$f"; done
+if [ -n "${OUT:-}" ]; then tar czf "$OUT/part$part.tar.gz" "$R"; fi

@@ -1,0 +1,202 @@
+"""The decode loop over the fused step: one compiled token step (forward, warping, the pick, the EOS
+bookkeeping and the position counters, all on the device), and on CUDA ``check_every`` of those
+steps captured as ONE CUDA graph, so the host launches one replay per ``check_every`` tokens and
+only then asks whether every row has ended.
+
+Per-token host work (a replay, the bookkeeping kernels, dynamo's guard checks over hundreds of
+weight arguments) is what kept the one-token graph loop above the weights' read time at small
+batches. The graph's steps past ``max_new_tokens`` (the last replay is whole) write nothing that is
+returned: the output buffer is wide enough, and their cache writes are clamped to the last slot,
+which no returned token reads afterwards.
+
+A captured graph is kept with the pool's cache (same weights, same cache, same state tensors: it
+is replayed as is) and dropped with it (``release_after_sampling``), since its private memory pool
+holds one step's activations.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .config import FastGenerationConfig, warn_once
+from .fused import DecoderShape, FusedDecoder, fused_forward
+from .sampler import Sampler, eos_hit, pick, warp
+
+__all__ = ["FusedLoopStats", "fused_decode"]
+
+
+@dataclass
+class FusedLoopStats:
+    """Counters of the fused loop (kept on ``GraphDecodeStats.fused``)."""
+
+    calls: int = 0  # generate calls decoded by the fused step
+    captures: int = 0  # CUDA graphs captured (a new batch, cache or weight address re-captures)
+    replays: int = 0
+    capture_seconds: float = 0.0
+    last_reason: str = ""  # why the last call did not use the fused step ("" when it did)
+    capture_errors: list[str] = field(default_factory=list)
+
+
+def _make_token_step(s: Sampler, shape: DecoderShape) -> Callable:
+    def fused_token_step(embed, layers, norm, head, rotary, keys, values, tokens, position_ids, cache_position,
+                         key_mask, unfinished, out, t):
+        logits = fused_forward(shape, embed, layers, norm, head, rotary, keys, values, tokens, position_ids,
+                               cache_position, key_mask)
+        nxt = pick(warp(logits, s), s)
+        nxt = torch.where(unfinished, nxt, torch.full_like(nxt, s.pad))
+        out.index_copy_(1, t, nxt.view(-1, 1).to(out.dtype))
+        tokens.copy_(nxt.view(-1, 1))
+        unfinished.copy_(unfinished & ~eos_hit(nxt, s))
+        position_ids.add_(1)
+        cache_position.copy_((cache_position + 1).clamp(max=keys[0].shape[2] - 1))
+        t.add_(1)
+
+    return fused_token_step
+
+
+_STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {key: compiled token step}
+
+
+def _compile_kwargs(config: FastGenerationConfig) -> dict[str, Any]:
+    """The user's compile settings without CUDA graphs of torch.compile's own (the loop captures its own)."""
+    kwargs: dict[str, Any] = dict(backend=config.backend, fullgraph=config.fullgraph, dynamic=config.dynamic)
+    if config.backend == "inductor":
+        options = dict(config.options or {})
+        options["triton.cudagraphs"] = False
+        if not config.options and config.mode in ("max-autotune", "max-autotune-no-cudagraphs"):
+            options["max_autotune"] = True
+        kwargs["options"] = options
+    return kwargs
+
+
+def _token_step(model: Any, s: Sampler, shape: DecoderShape, config: FastGenerationConfig) -> Callable:
+    kwargs = _compile_kwargs(config)
+    key = (s, shape, kwargs["backend"], repr(kwargs.get("options")), config.fullgraph, config.dynamic)
+    steps = _STEPS.setdefault(model, {})
+    if key not in steps:
+        steps[key] = torch.compile(_make_token_step(s, shape), **kwargs)
+    return steps[key]
+
+
+@dataclass
+class _Captured:
+    """The state tensors one captured graph reads and writes, and the graph."""
+
+    state: tuple  # tokens, position_ids, cache_position, key_mask, unfinished, out, t
+    graph: Any = None
+    addresses: tuple = ()
+
+
+def _addresses(tensors: list[torch.Tensor]) -> tuple:
+    return tuple(t.data_ptr() for t in tensors)
+
+
+def _flat(args: tuple) -> list[torch.Tensor]:
+    embed, layers, norm, head, _ = args
+    out = [embed, norm, head]
+    for ln1, qkv, o, ln2, gate_up, down in layers:
+        out += [ln1, ln2]
+        for pieces in (qkv, o, gate_up, down):
+            out += [x for w, b in pieces for x in (w, b) if x is not None]
+    return out
+
+
+def fused_decode(model: Any, decoder: FusedDecoder, cache: Any, first: torch.Tensor, key_mask: torch.Tensor,
+                 position_ids: torch.Tensor, prompt: int, s: Sampler, max_new: int, config: FastGenerationConfig,
+                 stats: FusedLoopStats, graphs: dict | None) -> tuple[torch.Tensor, int]:
+    """Decode tokens 1 .. max_new-1 after the prefill's ``first``; returns ``(out [B, >= max_new], steps run)``.
+
+    ``graphs``: where captured graphs live between calls (the cache pool's), or None to capture none.
+    """
+    batch = first.shape[0]
+    device = first.device
+    chunk = config.check_every
+    n_steps = max_new - 1
+    width = 2 + -(-max(n_steps, 1) // chunk) * chunk  # room for a whole last replay
+    keys = [layer.keys for layer in cache.layers]
+    values = [layer.values for layer in cache.layers]
+    step = _token_step(model, s, decoder.shape, config)
+    use_graph = graphs is not None and device.type == "cuda" and n_steps > 0
+    entry_key = (batch, keys[0].shape[2], width, s, decoder.shape)
+    entry = graphs.get(entry_key) if use_graph else None
+    if entry is None:
+        state = (torch.empty(batch, 1, dtype=torch.long, device=device),
+                 torch.empty(batch, 1, dtype=torch.long, device=device),
+                 torch.empty(1, dtype=torch.long, device=device),
+                 torch.empty(batch, keys[0].shape[2], dtype=torch.bool, device=device),
+                 torch.empty(batch, dtype=torch.bool, device=device),
+                 torch.empty(batch, width, dtype=torch.long, device=device),
+                 torch.empty(1, dtype=torch.long, device=device))
+        entry = _Captured(state)
+        if use_graph:
+            graphs[entry_key] = entry
+    tokens, positions, cache_position, mask, unfinished, out, t = entry.state
+    tokens.copy_(first.view(batch, 1))
+    positions.copy_(position_ids)
+    cache_position.fill_(prompt)
+    mask.copy_(key_mask.bool())
+    unfinished.copy_(~eos_hit(first, s))
+    out.fill_(s.pad)
+    out[:, 0] = first
+    t.fill_(1)
+    args = (*decoder.args, keys, values, tokens, positions, cache_position, mask, unfinished, out, t)
+    stats.calls += 1
+    done = 0
+    if use_graph:
+        addresses = _addresses(_flat(decoder.args) + keys + values)
+        if entry.graph is None or entry.addresses != addresses:
+            started = time.perf_counter()
+            try:
+                entry.graph = _capture(step, args, chunk)  # runs one real step first (warm-up)
+                entry.addresses = addresses
+                done = 1
+                stats.captures += 1
+            except Exception as exc:  # noqa: BLE001 - a graph is a speed-up: decode step by step instead
+                entry.graph = None
+                graphs.pop(entry_key, None)
+                stats.capture_errors.append(repr(exc)[:300])
+                warn_once(f"capture:{type(exc).__name__}", "grpo_patches fast_generation: the fused decode loop "
+                          f"could not be captured as a CUDA graph ({exc!r}); decoding step by step.")
+                return _stepwise(step, args, n_steps, chunk, unfinished, out, t)
+            finally:
+                stats.capture_seconds += time.perf_counter() - started
+        while done < n_steps:
+            entry.graph.replay()
+            stats.replays += 1
+            done += chunk
+            if done < n_steps and not bool(unfinished.any()):
+                break
+        return out, min(done, n_steps)
+    return _stepwise(step, args, n_steps, chunk, unfinished, out, t)
+
+
+def _stepwise(step: Callable, args: tuple, n_steps: int, chunk: int, unfinished: torch.Tensor,
+              out: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Token by token, the host checking for the end every ``chunk`` steps (CPU, or no graph)."""
+    done = int(t.item()) - 1
+    while done < n_steps:
+        step(*args)
+        done += 1
+        if done % chunk == 0 and not bool(unfinished.any()):
+            break
+    return out, done
+
+
+def _capture(step: Callable, args: tuple, chunk: int) -> Any:
+    """One real step on a side stream (compilation, lazy initialization), then ``chunk`` steps captured."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step(*args)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        for _ in range(chunk):
+            step(*args)
+    return graph
