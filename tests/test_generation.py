@@ -1076,6 +1076,7 @@ def test_gpu_fused_loop_is_one_cuda_graph_per_check_every_tokens_captured_once_a
     assert stats.capture_errors == [] and stats.captures == captures0 + 1, "captured once, replayed after"
     assert stats.replays - replays0 >= 3 * 2, "12 new tokens in replays of 4"
     released = FastGenerationConfig(decode_loop="graph", check_every=4)  # the default: graph dropped with the cache
-    assert torch.equal(fast_generate(model, ids, mask, generation_config=greedy(), config=released),
-                       eager_generate(model, ids, mask))
-    assert stats.captures == captures0 + 2 and not generation._MERGED[model].chunks
+    for expected in (1, 2):  # the first still replays the kept graph, then frees it; the second captures anew
+        assert torch.equal(fast_generate(model, ids, mask, generation_config=greedy(), config=released),
+                           eager_generate(model, ids, mask))
+        assert stats.captures == captures0 + expected and not generation._MERGED[model].chunks
