@@ -182,6 +182,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--probe-timeout", type=float, default=900.0, help="seconds per probe launch")
     p.add_argument("--probe-steps", type=int, default=2,
                    help="steps per probe; the last one's tokens/s is the throughput at the largest batch")
+    p.add_argument("--no-bisect", action="store_true",
+                   help="--find-max-batch: probe only the doubling sequence from --start-batch (no bisection after a "
+                        "failure), e.g. --start-batch 208 --max-batch-limit 208 --no-bisect for one probe at 208")
     p.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)  # a probe launched by the driver
     p.add_argument("--report-only", action="store_true",
                    help="merge per-rank parts left by an interrupted run into results.jsonl and rewrite "
@@ -692,7 +695,7 @@ def find_max_batch(args) -> int:
             else:
                 hi = batch
                 break
-        if hi is not None:
+        if hi is not None and not args.no_bisect:
             while hi - lo > max(ng, args.bisect_step or ng):
                 mid = (lo + hi) // 2 // ng * ng
                 if mid <= lo:

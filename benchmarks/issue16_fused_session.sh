@@ -21,9 +21,10 @@ python3 -m pip install -q --no-deps --no-index .whl/sharded/trl-*.whl .whl/shard
     .whl/sharded/dill-*.whl .whl/sharded/multiprocess-*.whl 2>&1 | tail -2
 python3 -c "import torch, transformers, peft, trl; print(torch.__version__, transformers.__version__, peft.__version__, trl.__version__)" \
     | tee "$R/versions.txt"
-probe() {  # probe VARIANT BATCH: one 24 GiB probe, 1 + 2 steps
+probe() {  # probe VARIANT BATCH [TIMEOUT]: one 24 GiB probe at BATCH only, 1 + 2 steps
   echo "python3 benchmarks/bench_grpo.py --find-max-batch --nproc 1 --mem-cap-gb 24 --policy 1.5b --grad-ckpt on \
-    --variants $1 --start-batch $2 --max-batch-limit $2 --probe-steps 3 --probe-timeout ${3:-125} --out $R/24gb-1.5b"
+    --variants $1 --start-batch $2 --max-batch-limit $2 --no-bisect --probe-steps 3 --probe-timeout ${3:-125} \
+    --out $R/24gb-1.5b"
 }
 case $part in
 1)
@@ -36,7 +37,14 @@ case $part in
 2)
   job 24gb 440 "$(probe stock 192 110); $(probe stock 224 110); $(probe patched-graph 192 90); $(probe patched-graph 224 90); $(probe patched-graph 160 80)"
   ;;
-*) echo "part must be 1 or 2" >&2; exit 2 ;;
+3)  # part 2 bisected stock after its 224 failure and ran out of time before the kit (no --no-bisect then):
+    # stock's 24 GiB results are part 2's; here the kit at 192 and 208, then decode with inductor's max-autotune
+  job 24gb-kit 200 "$(probe patched-graph 192 95); $(probe patched-graph 208 95)"; wait
+  job decode-autotune 190 "python3 benchmarks/bench_generation.py --policy 1.5b --paths graph --repeats 1 \
+    --out $R/decode-1.5b-default.json && python3 benchmarks/bench_generation.py --policy 1.5b --paths graph \
+    --repeats 1 --mode max-autotune --out $R/decode-1.5b-autotune.json"
+  ;;
+*) echo "part must be 1, 2 or 3" >&2; exit 2 ;;
 esac
 wait
 log "part $part done"
