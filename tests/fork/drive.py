@@ -3,6 +3,7 @@ patched TRL can provide the kit's code.
 
     python tests/fork/drive.py --patch patches/trl-1.16.0.patch --apply-only     # patch this venv's TRL
     python tests/fork/drive.py --module tests.matrix.worker [ARGS]               # 2 ranks, fork environment
+    python tests/fork/drive.py --plant scatter-order      # a tests/mutations.toml bug, in the BUNDLED copy
 
 Standard library only in this process. The ranks run ``python -m MODULE OUTDIR ARGS`` (tests/launch.py's
 convention) with this interpreter (or ``python``), from a scratch folder that holds a ``tests`` link to
@@ -45,6 +46,31 @@ def apply_patch(patch: Path) -> str:
     return f"applied {patch.name} in {site}"
 
 
+def plant(mutation_ids: list[str]) -> list[str]:
+    """Plant ``tests/mutations.toml`` bugs in the bundled copy (``trl/trainer/grpo_rank_local/``) of this
+    interpreter's patched TRL, for good: only in a throwaway venv (a ``nox -s fork-<release>`` session's),
+    to see the fork-mode matrix fail, e.g. ``nox -s fork-1.16.0 -- sh -c "python tests/fork/drive.py
+    --plant scatter-order && python -m pytest -q tests/matrix"`` (must fail)."""
+    import tomllib
+
+    bundle = Path(sysconfig.get_paths()["purelib"]) / "trl" / "trainer" / "grpo_rank_local"
+    known = {m["id"]: m for m in tomllib.loads((HERE.parent / "mutations.toml").read_text())["mutation"]}
+    done = []
+    for mutation_id in mutation_ids:
+        m = known[mutation_id]
+        target = bundle / m["file"].removeprefix("grpo_patches/")
+        if not target.exists():
+            raise SystemExit(f"{mutation_id}: {m['file']} is not bundled in this release's patch")
+        text = target.read_text()
+        if text.count(m["find"]) != 1:
+            raise SystemExit(f"{mutation_id}: its text does not occur exactly once in {target}")
+        target.write_text(text.replace(m["find"], m["replace"]))
+        for cached in (target.parent / "__pycache__").glob(f"{target.stem}.*.pyc"):
+            cached.unlink()
+        done.append(f"planted {mutation_id} in {target}")
+    return done
+
+
 def launch(module: str, world_size: int = 2, deadline: float = 400.0, *, args: tuple[str, ...] = (),
            python: str | Path = sys.executable, env: dict[str, str] | None = None, extra_ports: int = 0,
            ) -> list[RankResult]:
@@ -81,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--patch", type=Path, help="the fork patch to apply to this interpreter's TRL first")
     parser.add_argument("--apply-only", action="store_true", help="apply --patch and stop")
+    parser.add_argument("--plant", help="plant these tests/mutations.toml bugs (comma-separated) in the "
+                        "bundled copy of this venv's patched TRL, then stop")
     parser.add_argument("--module", help="run the ranks as python -m MODULE OUTDIR ARGS...")
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--deadline", type=float, default=400.0)
@@ -90,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.patch is not None:
         print(apply_patch(args.patch), flush=True)
+    if args.plant:
+        print("\n".join(plant(args.plant.split(","))), flush=True)
     if args.apply_only or not args.module:
         return 0
     t0 = time.monotonic()
