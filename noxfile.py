@@ -8,7 +8,7 @@
     nox -s canary                       # the newest TRL on PyPI that is not in the table (if any)
     nox -s mutations                    # planted bugs (tests/mutations.toml) must each fail their guards
     nox -t fork                         # every release's fork patch, applied, grpo_patches absent
-    nox -s fork-0.15.2                  # one release's fork patch (tests/fork/drive.py)
+    nox -s fork-0.15.2                  # tests/matrix in fork mode against one release's patched TRL
 
 Each session builds a fresh uv venv (hard links from uv's cache: about 2 s per release once the cache
 is warm), installs CPU torch first (uncapped; torch is never part of the pinned set), then TRL and
@@ -47,6 +47,7 @@ TEST_DEPS = ("pytest>=8", "hypothesis>=6", "wrapt>=1.16", "packaging")
 # torch installed first is kept (a date cap older than the torch wheel could not reach it otherwise).
 NO_TORCH = "torch; sys_platform == 'never'\n"
 DEFAULT_COMMAND = ("pytest", "-x", "-q", "tests/matrix")
+FORK_TEST_DEPS = ("pytest>=8", "packaging")  # the fork sessions' test tools: no wrapt, no kit
 
 nox.options.default_venv_backend = "uv"
 nox.options.error_on_missing_interpreters = True
@@ -140,20 +141,22 @@ for _trl, _row in COMPAT["supported"].items():
 def _fork_session(trl: str, row: dict[str, str]) -> None:
     @nox.session(name=f"fork-{trl}", tags=["fork", f"fork-{row['era']}"], reuse_venv=False, default=False)
     def fork(session: nox.Session) -> None:
-        # The release's pinned set and NOTHING of this repo: tests/fork/drive.py applies
-        # patches/trl-<release>.patch to this venv's TRL and runs the invariants scenario on 2 ranks there.
+        # The release's pinned set, pytest, and NOTHING of this repo: tests/fork/drive.py applies
+        # patches/trl-<release>.patch to this venv's TRL, then tests/matrix runs in fork mode (I1-I6 on
+        # 2 ranks started from a scratch folder, where grpo_patches is not importable; tests/matrix/kit.py).
         session.install(*_torch_args(session))
         requirements = [f"trl=={trl}"] + [f"{name}=={row[name]}" for name in PINNED]
         session.install(*requirements, "--exclude-newer", _cap(row["released"]), "--override",
                         _no_torch_override(session))
+        session.install(*FORK_TEST_DEPS, "--override", _no_torch_override(session))
         _versions(session)
         session.run("python", "tests/fork/drive.py", "--patch", f"patches/trl-{trl}.patch", "--apply-only")
-        # default: the fork invariants scenario; posargs: any other command in the patched venv, e.g.
-        # -- python tests/fork/drive.py --module tests.matrix.worker ARGS (a tests/launch.py-style worker)
-        command = session.posargs or ["python", "tests/fork/drive.py"]
-        session.run(*command, env={"GRPO_PATCHES_TRL_VERSION": trl, "GRPO_PATCHES_KIT_MODE": "fork"})
+        # posargs: any other command in the patched venv instead of the matrix
+        command = session.posargs or ["python", "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "tests/matrix"]
+        session.run(*command, env={"GRPO_PATCHES_TRL_VERSION": trl, "GRPO_PATCHES_MATRIX_MODE": "fork"})
 
-    fork.__doc__ = f"TRL {trl} with patches/trl-{trl}.patch applied, grpo_patches not installed: the invariants"
+    fork.__doc__ = (f"TRL {trl} with patches/trl-{trl}.patch applied, grpo_patches not installed: "
+                    "tests/matrix (I1-I6) in fork mode")
 
 
 for _trl, _row in COMPAT["supported"].items():

@@ -2,8 +2,8 @@
 
 The same resolve as the nox matrix sessions (noxfile.py): CPU torch first (uncapped), then TRL and its
 pinned transformers / accelerate / peft / datasets from grpo_patches/compat.json, every other
-dependency capped at the day after the release (``uv pip install --exclude-newer``). The kit itself
-is not installed; a fork-mode worker checks that ``import grpo_patches`` fails.
+dependency capped at the day after the release (``uv pip install --exclude-newer``), then pytest. The
+kit itself is not installed; a fork-mode rank checks that ``import grpo_patches`` fails.
 
 Runs on the host's Python with the standard library only (the pytest side calls it; so can a shell).
 """
@@ -24,6 +24,7 @@ COMPAT = json.loads((ROOT / "grpo_patches" / "compat.json").read_text())
 PINNED = ("transformers", "accelerate", "peft", "datasets")
 TORCH = "torch==2.13.0"
 NO_TORCH = "torch; sys_platform == 'never'\n"  # keeps the torch installed first out of the capped resolve
+TEST_TOOLS = ("pytest>=8",)  # tests/matrix runs under pytest in the fork venv (nothing of this repo)
 
 
 class EnvironmentUnavailable(RuntimeError):
@@ -88,14 +89,15 @@ def build(release: str, dest: Path) -> Path:
     override.write_text(NO_TORCH)
     subprocess.run([*install, *release_requirements(release), "--exclude-newer",
                     cap(COMPAT["supported"][release]["released"]), "--override", str(override)], check=True)
+    subprocess.run([*install, *TEST_TOOLS, "--override", str(override)], check=True)
     return python
 
 
 def patched(release: str, dest: Path) -> Path:
     """:func:`build`, then ``patches/trl-<release>.patch`` applied to that venv's TRL; returns its python.
 
-    What another multi-process test needs to run in fork mode: start its ranks with this python
-    (tests/fork/drive.py's ``launch(..., python=..., module=...)``) and GRPO_PATCHES_KIT_MODE=fork.
+    The matrix in fork mode: ``GRPO_PATCHES_MATRIX_MODE=fork PYTHON -m pytest tests/matrix`` from the
+    checkout (its ranks start through tests/fork/drive.py's ``launch``, with this python).
     """
     python = build(release, dest)
     subprocess.run([str(python), str(ROOT / "tests" / "fork" / "drive.py"), "--patch",

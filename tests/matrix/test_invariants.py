@@ -17,31 +17,37 @@ set; the main suite runs it against the newest release. One 2-rank launch
   cause or hangs, bounded by the worker; NaN passes silently), then every rank raises
   ``RemoteFailureError`` naming the function, the rank and the original error, within the bound;
 * I6 ``revert()`` leaves every attribute of every patched class the identical object it was; every
-  attribute the adapter declares was wrapped (read from the adapter, not listed here).
+  attribute the adapter declares was wrapped (read from the adapter, not listed here); applying again
+  changes nothing.
 
 ``GRPO_PATCHES_INVARIANT_WORLD_SIZES=2,4`` adds launches of other sizes. A release without an adapter
 must be refused clearly (I6); TRL 0.14 must be left alone.
+
+``GRPO_PATCHES_MATRIX_MODE=fork`` (``nox -s fork-<release>``, tests/test_patches_fork.py) runs the same
+checks against a patched TRL in an environment without grpo_patches (tests/matrix/kit.py says how the
+kit is switched there); the ranks then start through tests/fork/drive.py's ``launch``, and
+``GRPO_PATCHES_MATRIX_SAVE=FILE`` writes what every rank saw to FILE (JSON). Nothing here imports
+grpo_patches: everything of the kit goes through tests/matrix/kit.py.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
-import warnings
+import sys
 from collections import Counter
 from importlib.metadata import version
 
 import pytest
 from packaging.version import Version
 
-import grpo_patches
-from grpo_patches import registry
 from tests.launch import describe, run_ranks, world_sizes
+from tests.matrix import kit
 
 TRL = Version(version("trl"))
 SIZES = world_sizes(*(int(n) for n in os.environ.get("GRPO_PATCHES_INVARIANT_WORLD_SIZES", "2").split(",")))
-SUPPORTED = (any(v.release[:2] == TRL.release[:2] for v in registry.supported_releases())
-             or os.environ.get(registry.ALLOW_UNKNOWN_ENV) == "1")  # the canary's opt-in mode
+SUPPORTED = kit.release_is_supported(TRL)
 G, PBS, CHUNK, REWARD_TIMEOUT = 2, 8, 4, 2.0  # as in tests/matrix/worker.py
 FAULT_BOUND = REWARD_TIMEOUT + 5.0  # "within reward_timeout + a few seconds"
 N_ROWS = 6  # the I2 dataset: 4 prompts per generation round, so 2 rows are left over every epoch
@@ -51,21 +57,32 @@ needs_adapter = pytest.mark.skipif(not SUPPORTED, reason="no adapter for this re
 
 @pytest.mark.skipif(SUPPORTED, reason="covered by the invariant tests")
 def test_release_without_adapter_is_refused_or_left_alone():
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            applied = grpo_patches.apply()
-        assert applied is False and any("already rank-local" in str(w.message) for w in caught)
-    except grpo_patches.UnsupportedVersionError as exc:
-        assert str(TRL) in str(exc) and "supported: trl" in str(exc)
-    assert not grpo_patches.is_applied()
+    kit.refusal_check(TRL)
 
 
 @pytest.fixture(scope="module", params=SIZES, ids=lambda n: f"world{n}")
 def ranks(request):
-    results = run_ranks("tests.matrix.worker", world_size=request.param, deadline=400, extra_ports=6)
+    if kit.FORK:  # from a scratch folder, PYTHONPATH cleared: only the patched TRL provides the kit's code
+        from tests.fork import drive
+
+        results = drive.launch("tests.matrix.worker", request.param, deadline=400, extra_ports=6)
+    else:
+        results = run_ranks("tests.matrix.worker", world_size=request.param, deadline=400, extra_ports=6)
+    if os.environ.get("GRPO_PATCHES_MATRIX_SAVE"):
+        with open(os.environ["GRPO_PATCHES_MATRIX_SAVE"], "w") as f:
+            json.dump([r.data for r in results], f)
     assert all(r.returncode == 0 for r in results), describe(results)
     return results
+
+
+@needs_adapter
+def test_the_ranks_ran_in_the_selected_mode(ranks):
+    for r in ranks:
+        assert r.data["mode"] == kit.MODE and r.data["trl"] == str(TRL)
+        if kit.FORK:  # the patched fork ran without the kit: not importable, and no wrapt either
+            assert r.data["kit_importable"] is False and r.data["wrapt_imported"] is False, r.data
+    if kit.FORK:
+        assert "grpo_patches" not in sys.modules, "the fork-mode checks imported grpo_patches"
 
 
 def whole_groups(call: dict) -> list[str]:
@@ -173,6 +190,18 @@ def test_i3_advantages_equal_stock_in_every_mode(ranks):
                 assert any(abs(a) > 1e-3 for a in stock["advantages"]), "a vacuous comparison"
 
 
+@needs_adapter
+def test_i3_default_settings_give_stocks_samples_and_advantages(ranks):
+    """The kit with no options (a fork with its GRPOConfig defaults) on a shape whose groups do not split:
+    stock's prompts, completions and advantages, one reward call per rank holding its whole batch."""
+    for r in ranks:
+        got, stock = r.data["default"], r.data["stock"][0]
+        assert got["rows"] == stock["rows"] and got["completion_ids"] == stock["completion_ids"]
+        assert got["advantages"] == pytest.approx(stock["advantages"], abs=1e-6)
+        assert [len(c["rows"]) for c in got["calls"]] == [PBS] and not whole_groups(got["calls"][0])
+        assert Counter(got["rm_forwards"]) == {"module": 1, "path": 1}
+
+
 # --- I4 -----------------------------------------------------------------------------------------
 
 @needs_adapter
@@ -207,6 +236,9 @@ def test_i4_main_placement_loads_and_runs_reward_models_on_rank0_only(ranks):
     assert all(m["holds_model"] == [False, False, True, True] for m in r0["modes"])
     calls = len(ranks) * PBS // CHUNK  # one forward per chunk and model, every rank's completions
     assert all(Counter(m["rm_forwards"]) == {"module": calls, "path": calls} for m in r0["modes"])
+    for i in range(n_modes):  # rank 0 scored every rank's completions, each once
+        scored = sorted(row for call in r0["modes"][i]["calls"] for row in call["rows"])
+        assert scored == sorted(row for r in ranks for row in r.data["main"]["modes"][i]["rows"]), i
     for got in others:
         assert got["loads"] == [], "a reward model given by path was loaded on a non-main rank"
         assert all(m["holds_model"] == [False, False, False, False] for m in got["modes"])
@@ -239,7 +271,7 @@ ORIGINAL = {"raise": r"ZeroDivisionError: injected in recording_reward", "wrongl
 def assert_failed_everywhere(outcomes: list[dict], kind: str) -> None:
     for out in outcomes:
         msg = out["raised"] or ""
-        assert out.get("remote"), f"not grpo_patches.RemoteFailureError: {out}"
+        assert out.get("remote"), f"not the kit's RemoteFailureError: {out}"
         assert "recording_reward" in msg and f"rank {out['bad_rank']}" in msg, msg
         assert re.search(ORIGINAL[kind], msg), (kind, msg)
         assert out["seconds"] < FAULT_BOUND, out
@@ -278,11 +310,20 @@ def test_i5_a_reward_past_the_timeout_fails_every_rank_in_time(ranks, placement)
 # --- I6 -----------------------------------------------------------------------------------------
 
 @needs_adapter
-def test_i6_revert_restores_every_attribute_the_adapter_declares(ranks):
-    if "i6" not in ranks[0].data:
-        pytest.skip("this matrix mode cannot turn the kit off (tests/matrix/kit.py CAN_REVERT)")
+def test_i6_every_declared_attribute_is_wrapped_and_applying_twice_changes_nothing(ranks):
     for r in ranks:
         i6 = r.data["i6"]
-        assert i6["declared"]["GRPOTrainer"] and i6["declared"]["DSMGRPOTrainer"]
-        assert i6["not_wrapped"] == [], "declared but not wrapped around the original"
-        assert i6["changed_after_revert"] == [], "not the identical original after revert()"
+        assert i6["declared"]["GRPOTrainer"]
+        if not kit.FORK:  # the vendored trainer's patch is a file of its own (tests/test_patches_fork.py)
+            assert i6["declared"]["DSMGRPOTrainer"]
+        assert i6["not_wrapped"] == [], "declared but not wrapped (around the original, where known)"
+        assert i6["changed_by_second_apply"] == [], "applying again changed a patched attribute"
+
+
+@needs_adapter
+def test_i6_revert_restores_every_attribute_the_adapter_declares(ranks):
+    if not kit.CAN_REVERT:
+        pytest.skip("a patched fork has no revert(); its off switch (GRPOConfig(grpo_patches=False)) is the "
+                    "upstream half of every check, shown equal to pristine TRL by tests/test_patches_fork.py")
+    for r in ranks:
+        assert r.data["i6"]["changed_after_revert"] == [], "not the identical original after revert()"

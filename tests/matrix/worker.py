@@ -11,7 +11,10 @@ The parent kills a child still alive ``HANG_BOUND`` s after its fault began (the
 and reports what each child saw. Forking after the imports keeps one release's session cheap
 (TRL's import is most of a rank's start-up).
 
-The kit is switched only through tests/matrix/kit.py (``enable_kit`` / ``disable_kit``).
+The kit is switched only through tests/matrix/kit.py (``enable_kit`` / ``disable_kit``, and
+``kit.config_fields()`` merged into every GRPOConfig built here): nothing here imports grpo_patches,
+so the same scenario runs against a patched fork (``GRPO_PATCHES_MATRIX_MODE=fork``, ranks started by
+tests/fork/drive.py's ``launch`` from a scratch folder) as against the monkeypatch.
 """
 
 from __future__ import annotations
@@ -27,6 +30,10 @@ import time
 import traceback
 
 T_IMPORT = __import__("time").time()
+from tests.matrix import kit  # noqa: E402  (imports no TRL; fork mode: checks grpo_patches is absent)
+
+ENVIRONMENT = kit.check_rank_environment()
+
 from tests.helpers import (  # noqa: E402
     grpo_args,
     lora,
@@ -44,8 +51,6 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from transformers import AutoModelForSequenceClassification, TrainerCallback  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
-
-from tests.matrix import kit  # noqa: E402
 
 RANK = int(os.environ.get("RANK", "0"))
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))
@@ -143,7 +148,7 @@ def build(reward_funcs=None, n_rows=16, callbacks=None, **config):
     if any(isinstance(f, str | torch.nn.Module) for f in reward_funcs):  # reward models: their tokenizer
         kwargs["reward_processing_classes"] = [tiny_tokenizer() if isinstance(f, str | torch.nn.Module) else None
                                                for f in reward_funcs]
-    return GRPOTrainer(model=tiny_policy(), reward_funcs=reward_funcs, args=grpo_args(**fields),
+    return GRPOTrainer(model=tiny_policy(), reward_funcs=reward_funcs, args=grpo_args(**kit.config_fields(), **fields),
                        train_dataset=prompt_dataset(n_rows), processing_class=tiny_tokenizer(),
                        peft_config=lora(), callbacks=callbacks, **kwargs)
 
@@ -215,26 +220,33 @@ def class_snapshot() -> dict:
     return {cls: dict(vars(cls)) for cls in kit.declared_patch_points()} if kit.CAN_REVERT else {}
 
 
-def i6_checks(before: dict) -> dict:
-    """After enable_kit: every declared attribute is wrapped around the original; after disable_kit:
-    every attribute of every patched class is the identical object it was before (no list here)."""
-    import wrapt
-
-    out: dict = {"declared": {}, "not_wrapped": [], "changed_after_revert": []}
-    kit.enable_kit()
-    for cls, names in kit.declared_patch_points().items():
-        out["declared"][cls.__name__] = names
-        for name in names:
-            attr = cls.__dict__.get(name)
-            original = before[cls].get(name, getattr(cls.__mro__[1], name, None))
-            if not isinstance(attr, wrapt.FunctionWrapper) or attr.__wrapped__ is not original:
-                out["not_wrapped"].append(f"{cls.__name__}.{name}")
-    kit.disable_kit()
+def _changed(before: dict, what: str, out: list) -> None:
     for cls, attrs in before.items():
         now = dict(vars(cls))
         for name in set(attrs) | set(now):
             if attrs.get(name, "<absent>") is not now.get(name, "<absent>"):
-                out["changed_after_revert"].append(f"{cls.__name__}.{name}")
+                out.append(f"{cls.__name__}.{name} ({what})")
+
+
+def i6_checks(before: dict) -> dict:
+    """After enable_kit: every declared attribute is wrapped (around the original, where the mode has
+    it: ``before``); the install step again changes no attribute; after disable_kit (CAN_REVERT only):
+    every attribute of every patched class is the identical object it was before (no list here)."""
+    out: dict = {"declared": {}, "not_wrapped": [], "changed_by_second_apply": [], "changed_after_revert": []}
+    kit.enable_kit()
+    points = kit.declared_patch_points()
+    for cls, names in points.items():
+        out["declared"][cls.__name__] = names
+        for name in names:
+            got = kit.wrapped_original(cls.__dict__.get(name))
+            if got is None or (kit.CAN_REVERT and got is not before[cls].get(name, getattr(cls.__mro__[1], name, None))):
+                out["not_wrapped"].append(f"{cls.__name__}.{name}")
+    applied = {cls: dict(vars(cls)) for cls in points}
+    kit.apply_again()
+    _changed(applied, "second apply", out["changed_by_second_apply"])
+    kit.disable_kit()
+    if kit.CAN_REVERT:
+        _changed(before, "revert", out["changed_after_revert"])
     return out
 
 
@@ -392,14 +404,17 @@ def scenario(data: dict, save) -> None:
         data[placement] = got
         save()
 
-    # I2 patched
+    # I3 with the kit's default settings (no options): stock's samples and advantages where groups do not split
     kit.enable_kit()
+    data["default"] = observe(build(scoring_funcs(), **modes[0]))
+    save()
+    # I2 patched
     data["patched_epochs"] = train_epochs(6, 3)
     save()
     # I6
-    if kit.CAN_REVERT:
-        data["i6"] = i6_checks(before)
+    data["i6"] = i6_checks(before)
     kit.disable_kit()
+    data["wrapt_imported"] = "wrapt" in sys.modules  # fork mode: the patched fork must not need it
 
 
 def unequal_counts(trainer) -> dict:
@@ -422,7 +437,9 @@ def main() -> None:
     print(f"worker: imports done {start - T_IMPORT:.1f} s", file=sys.stderr, flush=True)
     reward_model_dir()
     pids = start_children()
-    data: dict = {"rank": RANK, "world": WORLD}
+    import trl
+
+    data: dict = {"rank": RANK, "world": WORLD, "trl": trl.__version__, **ENVIRONMENT}
 
     def save():
         data.setdefault("stage_ends_s", []).append(round(time.time() - start, 1))  # where the time goes
