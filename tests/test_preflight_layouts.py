@@ -4,7 +4,8 @@
   ``FSDPMemTracker`` (unsharded parameters + all-gather buffers while each layer runs).
 - DeepSpeed ZeRO-2 / ZeRO-3 (CPU accelerator, gloo, 2 processes): each parameter's partition
   (``ds_tensor``), a real forward / backward / step, and (ZeRO-3) the frozen parameters DeepSpeed
-  holds gathered at each matmul of the forward (the largest module + the prefetch bucket).
+  holds gathered at each matmul of the forward (trace-recording mode: module by module), and the
+  persistent parameters (``stage3_param_persistence_threshold``) whole on every rank.
 - bitsandbytes nf4 (double quantization) and int8: a model loaded through transformers'
   ``BitsAndBytesConfig`` on CPU, every stored tensor counted (data, absmax, codes, row scales).
 
