@@ -173,13 +173,49 @@ def worker(args) -> int:
             sync()
             phases["optimizer"].append(peak())
 
+    # Where each phase starts (memory already allocated), and what DeepSpeed holds for itself: the contiguous
+    # gradient buckets (ZeRO-3 allocates reduce_bucket_size elements at optimizer init) and the persistent params.
+    starts: dict[str, list[int]] = {"generation": [], "training": [], "optimizer": []}
+    allocated = torch.cuda.memory_allocated if cuda else (lambda: 0)
+
+    def _start(phase):
+        sync()
+        starts[phase].append(allocated())
+
+    _generate0 = measured_generate
+
+    def measured_generate(*a, **k):  # noqa: F811
+        _start("generation")
+        result = _generate0(*a, **k)
+        starts["training"].append(allocated())
+        return result
+
+    _pre = OptimizerPeak.on_pre_optimizer_step
+
+    def _pre_opt(self, *a, **k):
+        _start("optimizer")
+        return _pre(self, *a, **k)
+
+    OptimizerPeak.on_pre_optimizer_step = _pre_opt
     trainer._generate_and_score_completions = measured_generate
     trainer.training_step = measured_step
     trainer.add_callback(OptimizerPeak())
     t0 = time.time()
     trainer.train()
     prompt_len = len(tokenizer(rows[0]["prompt"])["input_ids"])
+    ds = {}
+    optimizer = getattr(getattr(trainer, "model_wrapped", None), "optimizer", None)
+    buckets = getattr(optimizer, "ipg_buckets", None)
+    if buckets:
+        ds["bucket_bytes"] = sum(b.buffer.numel() * b.buffer.element_size() for b in buckets.values()
+                                 if getattr(b, "buffer", None) is not None and torch.is_tensor(b.buffer))
+    params = list(trainer.model_wrapped.parameters()) if hasattr(trainer, "model_wrapped") else []
+    if params and hasattr(params[0], "ds_persist"):
+        ds["persistent_numel"] = sum(p.ds_numel for p in params if p.ds_persist)
+        ds["available_numel_after"] = sum(p.ds_numel for p in params if str(p.ds_status).endswith("AVAILABLE")
+                                          and not str(p.ds_status).endswith("NOT_AVAILABLE"))
     record = {"layout": layout, "policy": args.policy, "measured": {k: v[-1] for k, v in phases.items() if v},
+              "starts": starts, "deepspeed": ds,
               "all_steps": phases, "prompt_len": prompt_len, "train_s": time.time() - t0,
               "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
               "distributed_type": str(trainer.accelerator.distributed_type)}
@@ -208,6 +244,7 @@ def main() -> int:
     model.save_pretrained(policy_dir)
     del model
     records = []
+    (out / "results.jsonl").write_text("")
     for layout in args.layouts.split(","):
         cfg = accelerate_config(LAYOUTS[layout][0], layout, out, cpu=args.cpu_dry_run)
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(cfg),
@@ -228,16 +265,19 @@ def main() -> int:
             records.append({"layout": layout, "error": True})
             continue
         rec = json.loads((out / f"{layout}.json").read_text())
-        rec["predicted"] = predict(args, layout, rec["prompt_len"])
+        try:
+            rec["predicted"] = predict(args, layout, rec["prompt_len"])
+        except Exception as e:  # the measurement is what the device is for; predictions are recomputed later
+            print(f"[preflight-sharded] {layout}: predict failed: {e!r}", flush=True)
+            rec["predicted"] = None
         records.append(rec)
+        with open(out / "results.jsonl", "a") as f:  # as it goes: a killed run keeps what finished
+            f.write(json.dumps(rec) + "\n")
         print(f"[preflight-sharded] {layout}: measured {rec['measured']}, predicted {rec['predicted']['phases']}",
               flush=True)
-    with open(out / "results.jsonl", "w") as f:
-        for rec in records:
-            f.write(json.dumps(rec) + "\n")
     lines = ["| layout | ran as | phase | predicted GiB | measured GiB | error |", "|---|---|---|---|---|---|"]
     for rec in records:
-        if rec.get("error"):
+        if rec.get("error") or rec.get("predicted") is None:
             lines.append(f"| {rec['layout']} | | (run failed: see {rec['layout']}.log) | | | |")
             continue
         for phase, measured in rec["measured"].items():

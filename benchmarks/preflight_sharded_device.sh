@@ -12,7 +12,7 @@
 # py-cpuinfo, msgpack, einops, ninja, pydantic (+ core, annotated-types, typing-inspection).
 #
 # Device call (one, ~15-25 min of device time; `run` writes $OUT/preflight-sharded/ and prints the table):
-#   rsync -a --delete --exclude .git --exclude .venv --exclude .nox /work/wt/i17/ /work/main/.devsrc-i17/
+#   rsync -a --delete --exclude .git --exclude .venv --exclude .nox /work/wt/i17b/ /work/main/.devsrc-i17/
 #   cp -r .whl/sharded /work/main/.devsrc-i17/.whl/        # if fetched elsewhere
 #   run(command="cd .devsrc-i17 && bash benchmarks/preflight_sharded_device.sh run", carry=[".devsrc-i17"])
 set -euo pipefail
@@ -31,12 +31,26 @@ fetch)
   du -ch "$W"/*.whl | tail -1
   ;;
 run)
+  # One device call of at most ~8 min: each layout in its own launch with its own timeout, results.jsonl written as
+  # each finishes, everything packed into $OUT/ps.tgz at the end (the device returns at most 8 files), whatever ran.
+  # LAYOUTS_15B / LAYOUTS_05B / PER_LAYOUT_S / TOTAL_S / COMPLETION override the defaults below.
   export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+  WORK=/tmp/preflight-sharded
+  mkdir -p "$WORK"
+  pack() { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$WORK/gpu.csv" 2>/dev/null || true
+           cat "$WORK"/*/results.md 2>/dev/null || true
+           [ -n "${OUT:-}" ] && tar czf "$OUT/ps.tgz" -C /tmp preflight-sharded && for d in "$WORK"/*/; do cp "$d/results.jsonl" "$OUT/results-$(basename "$d").jsonl" 2>/dev/null; done; true; }
+  trap pack EXIT
   python -m pip install -q --no-deps --no-index "$W"/*.whl
   python -c "import deepspeed, bitsandbytes, trl; print('deepspeed', deepspeed.__version__, 'bnb', bitsandbytes.__version__, 'trl', trl.__version__)"
-  OUTDIR="${OUT:-benchmarks/results}/preflight-sharded"
-  python benchmarks/preflight_sharded_accuracy.py --policy 1.5b --out "$OUTDIR" --timeout 420 \
-      --layouts bf16,nf4,fsdp2-offload,zero3,zero3-layerwise,zero3-offload,zero3-nf4 || true
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUTDIR/gpu.csv" || true
+  T0=$(date +%s); TOTAL=${TOTAL_S:-440}
+  left() { echo $(( TOTAL - ($(date +%s) - T0) )); }
+  L15=${LAYOUTS_15B:-zero3,zero3-offload,fsdp2-offload,bf16,nf4}
+  timeout "$(left)" python benchmarks/preflight_sharded_accuracy.py --policy 1.5b --completion-len "${COMPLETION:-128}" \
+      --out "$WORK/1.5b" --timeout "${PER_LAYOUT_S:-110}" --layouts "$L15" || true
+  if [ "$(left)" -gt 90 ] && [ -n "${LAYOUTS_05B-zero3-offload,fsdp2-offload}" ]; then
+    timeout "$(left)" python benchmarks/preflight_sharded_accuracy.py --policy 0.5b --completion-len 64 \
+        --out "$WORK/0.5b" --timeout 80 --layouts "${LAYOUTS_05B:-zero3-offload,fsdp2-offload}" || true
+  fi
   ;;
 esac

@@ -65,6 +65,8 @@ def _add_doctor(sub: Any) -> None:
     p.add_argument("--quantization", choices=("nf4", "int8"), help="a bitsandbytes base (QLoRA); nf4 uses double quantization")
     p.add_argument("--no-double-quant", dest="double_quant", action="store_false", help="nf4 without double quantization")
     p.add_argument("--offload-base", action="store_true", help="frozen shards in host memory (fsdp2 / zero3)")
+    p.add_argument("--deepspeed-config", type=Path, default=None,
+                   help="DeepSpeed config JSON (ZeRO bucket / prefetch / persistence sizes; default: DeepSpeed's)")
     p.add_argument("--plan", action="store_true",
                    help="try every sharding x base precision x offload x checkpointing x reward placement, print those "
                    "that fit, cheapest first; exit 1 when none fits")
@@ -93,7 +95,7 @@ def _doctor(args: argparse.Namespace) -> int:
         result = plan(args.model, grpo_config=settings or None, lora_config=lora, world_size=args.world_size,
                       gpu_memory_gb=args.gpu_memory_gb, reward_models=rewards, dataset_size=args.dataset_size,
                       prompt_length=args.prompt_length, dtype=args.dtype, logits_mode=args.logits_mode,
-                      fast_generation=args.fast_generation,
+                      fast_generation=args.fast_generation, deepspeed_config=args.deepspeed_config,
                       cost_model=CostModel(args.link_gbps, args.host_gbps, args.hbm_gbps, args.tflops))
         print(result)
         return 0 if result.best is not None else 1
@@ -115,7 +117,8 @@ def _doctor(args: argparse.Namespace) -> int:
             sharding=args.sharding,
             quantization=args.quantization,
             double_quant=args.double_quant,
-            offload_base=args.offload_base,
+            offload_base=args.offload_base or None,
+            deepspeed_config=args.deepspeed_config,
             raise_on_error=False,
             warn=False,
         )

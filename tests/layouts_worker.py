@@ -82,8 +82,10 @@ def zero(rank: int, world: int, stage: int) -> dict:
     engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
                                       config=ds_config)
     params = list(engine.module.named_parameters())
+    persistent = 0
     if stage == 3:
         frozen = sum(p.ds_tensor.numel() * p.ds_tensor.element_size() for n, p in params if "lora_" not in n)
+        persistent = sum(p.ds_numel * p.element_size() for n, p in params if "lora_" not in n and p.ds_persist)
     else:
         frozen = sum(p.numel() * p.element_size() for n, p in params if "lora_" not in n)
     ids = torch.randint(0, CONFIG["vocab_size"], (1, 16))
@@ -109,7 +111,8 @@ def zero(rank: int, world: int, stage: int) -> dict:
         if stage == 3:
             torch.nn.functional.linear, torch.nn.functional.embedding = linear, embedding
     engine.step()
-    return dict(frozen_shard_bytes=frozen, loss=float(loss), gathered=max(live, default=0))
+    return dict(frozen_shard_bytes=frozen, persistent_bytes=persistent, loss=float(loss), gathered=max(live, default=0),
+                ds_config=ds_config)
 
 
 def main() -> int:

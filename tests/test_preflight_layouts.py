@@ -4,7 +4,8 @@
   ``FSDPMemTracker`` (unsharded parameters + all-gather buffers while each layer runs).
 - DeepSpeed ZeRO-2 / ZeRO-3 (CPU accelerator, gloo, 2 processes): each parameter's partition
   (``ds_tensor``), a real forward / backward / step, and (ZeRO-3) the frozen parameters DeepSpeed
-  holds gathered at each matmul of the forward (the largest module + the prefetch bucket).
+  holds gathered at each matmul of the forward (trace-recording mode: module by module), and the
+  persistent parameters (``stage3_param_persistence_threshold``) whole on every rank.
 - bitsandbytes nf4 (double quantization) and int8: a model loaded through transformers'
   ``BitsAndBytesConfig`` on CPU, every stored tensor counted (data, absmax, codes, row scales).
 
@@ -20,7 +21,7 @@ import pytest
 import torch
 
 from grpo_patches.preflight import count_parameters, preflight
-from grpo_patches.preflight.layout import Layout
+from grpo_patches.preflight.layout import DeepSpeedSettings, Layout
 from tests.launch import describe, run_ranks
 from tests.layouts_worker import CONFIG
 
@@ -54,14 +55,16 @@ def test_fsdp2_shards_and_working_set_match_fully_shard():
 @pytest.mark.parametrize("stage", [2, 3])
 def test_zero_partitions_match_deepspeed(stage):
     counts = count_parameters(CONFIG)
-    layout = Layout(f"zero{stage}")
     for data in _ranks(f"zero{stage}"):
-        assert data["frozen_shard_bytes"] == layout.gpu_weights(counts, 2, 2)
+        layout = Layout(f"zero{stage}", ds=DeepSpeedSettings.from_config(data["ds_config"], CONFIG["hidden_size"]))
+        # every partition (ds_tensor) + the persistent parameters whole (stage3_param_persistence_threshold)
+        assert layout.persistent_bytes(counts, 2) == data["persistent_bytes"]
+        assert data["frozen_shard_bytes"] + data["persistent_bytes"] == layout.gpu_weights(counts, 2, 2)
         assert torch.isfinite(torch.tensor(data["loss"]))
-        if stage == 3:  # frozen parameters DeepSpeed holds gathered (AVAILABLE) at any matmul / lookup
+        if stage == 3:  # a forward in trace-recording mode, no checkpointing: module by module
             assert data["gathered"] > 0
-            assert layout.gathered(counts, 2, 2, CONFIG["hidden_size"], "training") == pytest.approx(
-                data["gathered"], rel=0.15)
+            assert layout.gathered(counts, 2, 2, CONFIG["hidden_size"], "training", checkpointing=False) == \
+                pytest.approx(data["gathered"], rel=0.15)
 
 
 @pytest.mark.skipif(NEEDS["bitsandbytes"], reason="bitsandbytes not installed: runs in `nox -s layouts`")

@@ -69,7 +69,7 @@ from typing import Any
 import torch
 
 from grpo_patches.grouping import GroupShapeError, check_group_shape, resolve_steps_per_generation
-from grpo_patches.preflight.layout import Layout, layout_from_environment
+from grpo_patches.preflight.layout import DeepSpeedSettings, Layout, layout_from_environment
 
 _DDP = Layout()
 
@@ -81,6 +81,7 @@ __all__ = [
     "PreflightWarning",
     "RankEstimate",
     "RewardModelSpec",
+    "DeepSpeedSettings",
     "Layout",
     "check_setting_names",
     "count_parameters",
@@ -178,6 +179,7 @@ class ParamCount:
     layers: int = 0  # decoder layers (FSDP2 / ZeRO-3 gather one at a time)
     layer_other: int = 0  # non-Linear parameters of one decoder layer (norms)
     linear_sizes: tuple[int, ...] = ()  # each such Linear's weight numel (bitsandbytes' per-tensor blocks)
+    frozen_sizes: tuple[int, ...] = ()  # every base parameter's numel, named_parameters order (ZeRO-3 persistence)
 
     @property
     def frozen(self) -> int:
@@ -500,7 +502,8 @@ def _base_layout(model: torch.nn.Module, head: Any) -> dict[str, int]:
     return dict(linear_frozen=sum(m.weight.numel() + (m.bias.numel() if m.bias is not None else 0) for m in linears),
                 linear_rows=sum(m.out_features for m in linears),
                 largest_linear=max((m.weight.numel() for m in linears), default=0),
-                layers=len(blocks), layer_other=other, linear_sizes=tuple(m.weight.numel() for m in linears))
+                layers=len(blocks), layer_other=other, linear_sizes=tuple(m.weight.numel() for m in linears),
+                frozen_sizes=tuple(p.numel() for p in model.parameters()))
 
 
 def _count_reward_model(cfg: Any) -> int:
@@ -657,7 +660,8 @@ def _estimate(
     quantized = layout.quantization is not None
     common = {
         "weights": layout.gpu_weights(params, w_bytes, w),
-        "gathered_weights": layout.gathered(params, w_bytes, w, arch.hidden, "training"),
+        "gathered_weights": layout.gathered(params, w_bytes, w, arch.hidden, "training", checkpointing),
+        "grad_bucket": layout.grad_bucket_bytes(act),
         "dequant_transient": layout.dequant_transient(params, act),
         "lora_params": lora_params,
         "lora_grads": lora_grads,
@@ -669,7 +673,7 @@ def _estimate(
                      else 2 * arch.kv * static_cache * n_gen * act * arch.layers),
         "generation_transient": _prefill_transient(arch, n_gen * prompt, act) + n_gen * arch.vocab * 4 * 3,
     }
-    gen_gathered = layout.gathered(params, w_bytes, w, arch.hidden, "generation")
+    gen_gathered = layout.gathered(params, w_bytes, w, arch.hidden, "generation", checkpointing)
     # The optimizer step: foreach AdamW's temporaries, about one fp32 copy of the (local) trainable weights.
     step_temp = 4 * trainable // (w if layout.sharded or layout.deepspeed else 1)
     estimates = []
@@ -691,7 +695,8 @@ def _estimate(
                 )
         comp["reward_weights"] = rm_weights
         comp["reward_scoring"] = rm_scoring
-        resident = comp["weights"] + comp["lora_params"] + comp["optimizer_state"] + rm_weights + grad_copy
+        resident = (comp["weights"] + comp["lora_params"] + comp["optimizer_state"] + rm_weights + grad_copy
+                    + comp["grad_bucket"])
         # Fast generation keeps its static cache between steps (the CUDA graphs read it in place), so it
         # is resident in every phase rather than a generation-only transient.
         kv_resident = comp["kv_cache"] if static_cache is not None else 0
@@ -734,6 +739,7 @@ def preflight(
     quantization: str | None = None,
     double_quant: bool = True,
     offload_base: bool | None = None,
+    deepspeed_config: Any = None,
 ) -> PreflightReport:
     """Predict each rank's peak memory by component and check the run's shape before it starts.
 
@@ -752,7 +758,10 @@ def preflight(
     environment under "auto", else False) place the frozen base
     (:class:`~grpo_patches.preflight.layout.Layout`); under ZeRO-3 the config's
     ``ds3_gather_for_generation`` (TRL's default True) decides whether generation gathers the whole
-    model. Unknown GRPO setting names raise ``TypeError`` with close matches.
+    model; ``deepspeed_config`` (a DeepSpeed config dict or JSON path; default: accelerate's
+    ``ACCELERATE_DEEPSPEED_CONFIG_FILE``, else DeepSpeed's defaults) gives ZeRO's bucket, prefetch,
+    live / reuse and persistence sizes (:class:`~grpo_patches.preflight.layout.DeepSpeedSettings`).
+    Unknown GRPO setting names raise ``TypeError`` with close matches.
 
     Errors (a group split across ranks, a predicted peak over ``gpu_memory_gb``) raise
     ``ValueError`` (:class:`GroupShapeError` / :class:`PreflightError`) with the fix when
@@ -776,11 +785,16 @@ def preflight(
         detected = layout_from_environment()
         sharding = detected["sharding"]
         offload_base = detected["offload_base"] if offload_base is None else offload_base
-    layout = Layout(sharding=sharding, quantization=quantization, double_quant=double_quant,
-                    offload_base=bool(offload_base),
-                    gather_for_generation=bool(_setting(g, "ds3_gather_for_generation", True)))
     cfg = load_model_config(model_config)
     arch = _arch(cfg)
+    if deepspeed_config is None and sharding.startswith("zero"):
+        deepspeed_config = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") or None
+    ds = DeepSpeedSettings.from_config(deepspeed_config, arch.hidden)
+    if offload_base is None and sharding == "zero3" and ds.offload_param in ("cpu", "nvme"):
+        offload_base = True
+    layout = Layout(sharding=sharding, quantization=quantization, double_quant=double_quant,
+                    offload_base=bool(offload_base),
+                    gather_for_generation=bool(_setting(g, "ds3_gather_for_generation", True)), ds=ds)
     art = ARTICLE_TRAINING_SETTINGS
     batch = int(_setting(g, "per_device_train_batch_size", art["per_device_train_batch_size"]))
     accum = int(_setting(g, "gradient_accumulation_steps", art["gradient_accumulation_steps"]))
@@ -977,8 +991,11 @@ def _gib(n: int | float) -> str:
     return f"{n / GiB:.2f} GiB"
 
 
-_ROWS = ("weights", "gathered_weights", "dequant_transient", "lora_params", "lora_grads", "optimizer_state", "activations", "logits_logps", "autocast_cache",
+_ROWS = ("weights", "gathered_weights", "grad_bucket", "dequant_transient", "lora_params", "lora_grads", "optimizer_state", "activations", "logits_logps", "autocast_cache",
          "kv_cache", "generation_transient", "reward_weights", "reward_scoring")
+
+
+_OPTIONAL_ROWS = frozenset({"grad_bucket"})  # DeepSpeed only: left out of tables where it is 0
 
 
 def _render(ranks: list[RankEstimate], title: str | None = None) -> str:
@@ -992,6 +1009,8 @@ def _render(ranks: list[RankEstimate], title: str | None = None) -> str:
     heads = [title or (f"rank {g[0].rank}" if len(g) == 1 else f"ranks {g[0].rank}-{g[-1].rank}") for g in groups]
     rows: list[tuple[str, list[str]]] = []
     for name in _ROWS:
+        if name in _OPTIONAL_ROWS and not any(g[0].components.get(name, 0) for g in groups):
+            continue
         rows.append((name, [f"{g[0].components.get(name, 0) / GiB:.2f}" for g in groups]))
     for phase in ("generation", "scoring", "training", "optimizer"):
         rows.append((f"= {phase}", [f"{g[0].phases[phase] / GiB:.2f}" for g in groups]))

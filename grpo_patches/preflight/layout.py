@@ -20,10 +20,28 @@ formulas are the libraries' own layouts (each checked against the library on CPU
   layer's gather overlaps the root's buffer: max(2 root + layer, root + 2 layers) (measured with
   torch's ``FSDPMemTracker`` over gloo). Generation runs the sharded model: every decoding step
   gathers every layer again (TRL's ``summon_full_params`` is a no-op for FSDP2).
-- **zero3**: 1/world of every parameter; a module's parameters are gathered when it runs plus a
-  prefetch bucket (accelerate's ``auto``: 0.9 x hidden^2 elements). TRL's default
-  ``ds3_gather_for_generation=True`` gathers the WHOLE model for generation; ``False`` gathers
-  module by module at every decoding step.
+- **zero3** (DeepSpeed 0.19's ``stage3.py`` / ``partitioned_param_coordinator.py``, read from its source, the
+  values from the DeepSpeed config (:class:`DeepSpeedSettings`, DeepSpeed's defaults where it says nothing;
+  accelerate's ``deepspeed_config:`` block in a YAML sets none of them, so the defaults hold there):
+  parameters of at most ``stage3_param_persistence_threshold`` elements (1e5; up to
+  ``stage3_model_persistence_threshold`` in all) are persistent: whole on every rank, on the GPU even with
+  offload; the rest keep 1/world. With ``contiguous_gradients`` (default on) the optimizer allocates a
+  gradient bucket of ``reduce_bucket_size`` elements (5e8: 0.93 GiB in bf16) at init, resident in every phase.
+  At world size 1 a gather is a view of the local partition (``_no_gather_coalesced``): no memory, unless the
+  partition is in host memory (offload), when it is a GPU copy. TRL's default ``ds3_gather_for_generation=True``
+  gathers the WHOLE model for generation (``GatheredParameters(model.parameters())``) and, on leaving, calls
+  ``add_hooks``, which invalidates the coordinator's trace, so training runs in trace-recording mode: no
+  prefetch, no ``stage3_max_reuse_distance`` retention, each module released after it runs; but with
+  (reentrant) gradient checkpointing DeepSpeed attributes every frozen parameter gathered during a
+  checkpoint's recompute to the outermost backward module still open (``update_recompute_parameters``),
+  which releases them when the backward ends: by then the whole frozen base is gathered (measured on an
+  H200 with offload, 0.5B and 1.5B). Without checkpointing: the largest of one layer and the LM head (TRL's
+  fused head gathers it). ``ds3_gather_for_generation=False``: generation runs with a complete trace, one
+  module + a prefetch of ``min(stage3_prefetch_bucket_size, stage3_max_live_parameters - live)`` elements,
+  and a tied embedding, which comes back at the LM head, stays gathered through each forward when the decoder
+  between them is within ``stage3_max_reuse_distance`` elements. Nothing is gathered in the optimizer step.
+- **zero2**: the same contiguous gradient bucket (``reduce_bucket_size`` elements, twice with ``overlap_comm``),
+  allocated at the first backward and kept.
 - **offload** (FSDP2 ``CPUOffloadPolicy`` / ZeRO-3 ``offload_param``): the shards live in host memory
   and are copied to the GPU before each gather (plus one layer's shard of staging).
 """
@@ -31,9 +49,14 @@ formulas are the libraries' own layouts (each checked against the library on CPU
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import sys
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
-__all__ = ["QUANTIZATIONS", "SHARDINGS", "Layout", "RoundCost", "quantized_bytes_per_weight"]
+__all__ = ["QUANTIZATIONS", "SHARDINGS", "DeepSpeedSettings", "Layout", "RoundCost", "quantized_bytes_per_weight"]
 
 SHARDINGS = ("ddp", "zero2", "fsdp2", "zero3")
 QUANTIZATIONS = (None, "int8", "nf4")
@@ -64,6 +87,70 @@ def quantized_bytes_per_weight(quantization: str | None, double_quant: bool = Tr
 
 
 @dataclasses.dataclass(frozen=True)
+class DeepSpeedSettings:
+    """The ``zero_optimization`` values the memory model reads, with DeepSpeed 0.19's defaults
+    (``deepspeed/runtime/zero/config.py``). Sizes are in elements."""
+
+    reduce_bucket_size: int = int(5e8)
+    contiguous_gradients: bool = True
+    overlap_comm: bool | None = None  # DeepSpeed: True for stage 3, False below
+    prefetch_bucket_size: int = int(5e7)
+    max_live_parameters: int = int(1e9)
+    max_reuse_distance: int = int(1e9)
+    param_persistence_threshold: int = int(1e5)
+    model_persistence_threshold: int = sys.maxsize
+    offload_param: str = "none"
+    communication_bytes: int | None = None  # communication_data_type; None: the compute dtype's
+
+    @classmethod
+    def from_config(cls, config: Any = None, hidden_size: int | None = None) -> DeepSpeedSettings:
+        """From a DeepSpeed config: a dict, a JSON file path, a ``DeepSpeedSettings`` or None (the defaults).
+        ``"auto"`` values are resolved as accelerate / transformers do for the model's ``hidden_size``:
+        reduce_bucket_size hidden^2, stage3_prefetch_bucket_size 0.9 hidden^2,
+        stage3_param_persistence_threshold 10 hidden."""
+        if isinstance(config, cls):
+            return config
+        if config is None:
+            return cls()
+        if isinstance(config, (str, os.PathLike)):
+            config = json.loads(Path(config).read_text())
+        if not isinstance(config, Mapping):
+            raise TypeError(f"deepspeed_config must be a dict, a JSON path or None, not {type(config).__name__}.")
+        zero = dict(config.get("zero_optimization", {}) or {})
+        h = hidden_size or 0
+        auto = {"reduce_bucket_size": h * h, "stage3_prefetch_bucket_size": int(0.9 * h * h),
+                "stage3_param_persistence_threshold": 10 * h}
+
+        def value(key: str, default: Any) -> Any:
+            v = zero.get(key, default)
+            if v == "auto":
+                if key not in auto or not h:
+                    return default
+                return auto[key]
+            return default if v is None else v
+
+        d = cls()
+        comm = config.get("communication_data_type")
+        comm_bytes = {"fp32": 4, "float32": 4, "fp16": 2, "float16": 2, "bf16": 2, "bfloat16": 2}.get(
+            str(comm).lower()) if comm else None
+        offload = zero.get("offload_param") or {}
+        return cls(
+            reduce_bucket_size=int(float(value("reduce_bucket_size", d.reduce_bucket_size))),
+            contiguous_gradients=bool(value("contiguous_gradients", True)),
+            overlap_comm=zero.get("overlap_comm"),
+            prefetch_bucket_size=int(float(value("stage3_prefetch_bucket_size", d.prefetch_bucket_size))),
+            max_live_parameters=int(float(value("stage3_max_live_parameters", d.max_live_parameters))),
+            max_reuse_distance=int(float(value("stage3_max_reuse_distance", d.max_reuse_distance))),
+            param_persistence_threshold=int(float(value("stage3_param_persistence_threshold",
+                                                        d.param_persistence_threshold))),
+            model_persistence_threshold=int(float(value("stage3_model_persistence_threshold",
+                                                        d.model_persistence_threshold))),
+            offload_param=str((offload.get("device") if isinstance(offload, Mapping) else None) or "none"),
+            communication_bytes=comm_bytes,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
 class Layout:
     """One way to place the frozen base: ``sharding`` in ddp / zero2 / fsdp2 / zero3, ``quantization``
     None / "nf4" / "int8" (bitsandbytes), ``offload_base`` (frozen shards in host memory; fsdp2 / zero3
@@ -74,6 +161,7 @@ class Layout:
     double_quant: bool = True
     offload_base: bool = False
     gather_for_generation: bool = True
+    ds: DeepSpeedSettings = dataclasses.field(default_factory=DeepSpeedSettings)
 
     def __post_init__(self) -> None:
         if self.sharding not in SHARDINGS:
@@ -130,29 +218,77 @@ class Layout:
         return {"total": linear + other * w_bytes, "layer": layer, "root": root * w_bytes,
                 "embedding": params.embedding * w_bytes, "head": params.output_embedding * w_bytes}
 
+    def persistent_bytes(self, params: Any, w_bytes: int) -> int:
+        """ZeRO-3's persistent parameters (whole on every rank): those of at most param_persistence_threshold
+        elements, in ``named_parameters`` order while the running total stays within model_persistence_threshold
+        (``DeepSpeedZeRoOffload.mark_persistent_parameters``)."""
+        if self.sharding != "zero3":
+            return 0
+        total = 0
+        for n in getattr(params, "frozen_sizes", ()):
+            if n + total > self.ds.model_persistence_threshold:
+                continue
+            if n <= self.ds.param_persistence_threshold:
+                total += n
+        return total * w_bytes
+
     def gpu_weights(self, params: Any, w_bytes: int, world_size: int) -> int:
         """The frozen base resident on one GPU between gathers."""
+        total = self.base_bytes(params, w_bytes)["total"]
+        if self.sharding == "zero3":
+            persistent = self.persistent_bytes(params, w_bytes)
+            # every parameter keeps its partition (ds_tensor: off the GPU with offload, but a persistent one's stays);
+            # a persistent one is also whole once gathered (at world size 1 the partition is the whole)
+            shards = (0 if self.offload_base else (total - persistent) / world_size) + persistent / world_size
+            return int(shards + (persistent if world_size > 1 else 0))
         if self.offload_base:
             return 0
-        total = self.base_bytes(params, w_bytes)["total"]
         return int(total / world_size) if self.sharded else int(total)
 
-    def gathered(self, params: Any, w_bytes: int, world_size: int, hidden: int, phase: str) -> int:
+    def grad_bucket_bytes(self, act: int) -> int:
+        """DeepSpeed's contiguous gradient bucket(s): ``reduce_bucket_size`` elements in the communication dtype
+        (ZeRO-3: allocated at optimizer init; ZeRO-2: at the first backward, twice with overlap_comm)."""
+        if not self.deepspeed or not self.ds.contiguous_gradients:
+            return 0
+        comm = self.ds.communication_bytes or act
+        if self.sharding == "zero3":
+            return self.ds.reduce_bucket_size * comm
+        return self.ds.reduce_bucket_size * comm * (2 if self.ds.overlap_comm else 1)
+
+    def gathered(self, params: Any, w_bytes: int, world_size: int, hidden: int, phase: str,
+                 checkpointing: bool = True) -> int:
         """Unsharded copies alive at once while the base runs (0 when nothing is sharded)."""
-        if not self.sharded:
+        if not self.sharded or phase == "optimizer":
             return 0
         b = self.base_bytes(params, w_bytes)
-        staging = b["layer"] / world_size if self.offload_base else 0
+        staging = b["layer"] / world_size if self.offload_base and world_size > 1 else 0
         if self.sharding == "fsdp2":
             # A group's all-gather buffer lives until the next group's copy-out (FSDP2's all_gather_state),
             # so the first layer's gather overlaps the root's buffer: 2 roots + a layer, else root + 2 layers.
             # The LoRA weights of a layer (fp32) are gathered with it.
             layer = b["layer"] + 4 * params.trainable / max(params.layers, 1)
-            return int(max(2 * b["root"] + layer, b["root"] + 2 * layer) + staging)
-        if phase == "generation" and self.gather_for_generation:
-            return int(b["total"])  # GatheredParameters(model.parameters()) around generate
-        prefetch = min(0.9 * hidden * hidden * w_bytes, b["layer"])
-        return int(max(b["layer"], b["embedding"], b["head"]) + prefetch + staging)
+            return int(max(2 * b["root"] + layer, b["root"] + 2 * layer) + (b["layer"] / world_size
+                                                                             if self.offload_base else 0))
+        if world_size == 1 and not self.offload_base:
+            return 0  # DeepSpeed's single-rank "gather" is a view of the local partition (_no_gather_coalesced)
+        persistent = self.persistent_bytes(params, w_bytes)
+        whole = b["total"] - persistent
+        head = max(b["embedding"], b["head"])
+        if phase == "generation":
+            if self.gather_for_generation:
+                return int(whole + staging)  # GatheredParameters(model.parameters()) around generate
+            # complete trace: the running module, the prefetch, a tied embedding kept until the LM head
+            tied = b["head"] == 0 and b["embedding"] > 0
+            decoder = b["total"] - b["root"]
+            kept = b["embedding"] if tied and decoder / w_bytes < self.ds.max_reuse_distance else 0
+            module = max(b["layer"], head)
+            live = (kept + module) / w_bytes
+            prefetch = max(0.0, min(self.ds.prefetch_bucket_size, self.ds.max_live_parameters - live)) * w_bytes
+            return int(kept + module + min(prefetch, whole) + staging)
+        if checkpointing:
+            # recompute attribution holds every layer's frozen weights until the backward ends, + the LM head
+            return int(max(b["layer"], b["total"] - b["root"]) + head + staging)
+        return int(max(b["layer"], head) + staging)
 
     def dequant_transient(self, params: Any, act: int) -> int:
         """bitsandbytes dequantizes one Linear's weight to the compute dtype per matmul (forward and backward)."""
