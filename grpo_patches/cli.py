@@ -59,7 +59,7 @@ def _add_doctor(sub: Any) -> None:
     p.add_argument("--logits-mode", choices=("auto", "fused", "full"), default="auto",
                    help="how the trainer computes log-probs: TRL's fused LM head or full logits (default: detect)")
     p.add_argument("--fast-generation", action="store_true",
-                   help="the run uses apply(fast_generation=...): its static KV cache stays resident")
+                   help="the run uses apply(fast_generation=True): its static KV cache and merged-LoRA buffer are counted while sampling")
     p.add_argument("--sharding", choices=("ddp", "zero2", "fsdp2", "zero3"), default="ddp",
                    help="how the frozen base is placed over the ranks (default ddp: a full copy per rank)")
     p.add_argument("--quantization", choices=("nf4", "int8"), help="a bitsandbytes base (QLoRA); nf4 uses double quantization")

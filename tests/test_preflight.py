@@ -136,16 +136,39 @@ def test_components_follow_the_documented_formulas():
     assert rank.peak == max(rank.phases.values())
 
 
-def test_fast_generation_keeps_its_static_cache_through_training():
-    # Measured on an H200 (1.5B policy, 144 x 256 tokens under a 24 GiB cap): the fast path peaked
-    # ~1.3 GiB above what the dynamic-cache model predicts: its static cache stays allocated.
+def test_fast_generation_counts_its_static_cache_and_merged_buffer_while_sampling():
+    # Measured on an H200 (1.5B policy, 144 x 256 tokens under a 24 GiB cap, caches kept): the fast path
+    # peaked ~1.3 GiB above what the dynamic-cache model predicts: its static cache stayed allocated.
+    # Today's default frees the cache and the merged buffer after each round (release_after_sampling).
     eager = quiet_preflight("qwen2.5-0.5b", grpo_config=SMALL, prompt_length=70).ranks[0]
     fast = quiet_preflight("qwen2.5-0.5b", grpo_config=SMALL, prompt_length=70, fast_generation=True).ranks[0]
+    kept = quiet_preflight("qwen2.5-0.5b", grpo_config=SMALL, prompt_length=70,
+                           fast_generation={"release_after_sampling": False}).ranks[0]
+    unmerged = quiet_preflight("qwen2.5-0.5b", grpo_config=SMALL, prompt_length=70,
+                               fast_generation={"merge_lora": False}).ranks[0]
     arch = pf._arch(pf.load_model_config("qwen2.5-0.5b"))
     static = 2 * arch.kv * (128 + 128) * 4 * 2 * arch.layers  # prompt 70 rounded up to 128, + 128 new tokens
-    assert fast.components["kv_cache"] == static
-    assert fast.phases["training"] == eager.phases["training"] + static
-    assert fast.phases["scoring"] == eager.phases["scoring"] + static
+    params = pf.count_parameters(pf.load_model_config("qwen2.5-0.5b"))
+    merged = params.adapted * 2  # bf16: the seven projections of every layer once more
+    assert fast.components["kv_cache"] == static and fast.components["merged_buffer"] == merged > 0
+    gen_eager = eager.phases["generation"] - eager.components["kv_cache"]
+    assert fast.phases["generation"] == gen_eager + static + merged
+    assert unmerged.phases["generation"] == gen_eager + static and unmerged.components["merged_buffer"] == 0
+    assert fast.phases["training"] == eager.phases["training"], "released before training"
+    assert kept.phases["training"] == eager.phases["training"] + static + merged
+    assert kept.phases["scoring"] == eager.phases["scoring"] + static + merged
+
+
+def test_merged_buffer_bytes_equal_the_buffer_measured_on_the_h200():
+    # MergedLoRAWeights.nbytes for the Qwen2.5-1.5B-shaped policy with the pinned LoRA, bf16
+    # (benchmarks/results/2026-12-01-h200-issue16-fused/decode-1.5b.json, merged_buffer_bytes)
+    params = pf.count_parameters(pf.load_model_config("qwen2-1.5b"))
+    assert params.adapted * 2 == 2620391424
+    # a LoRA on q/v only merges those two
+    from peft import LoraConfig
+
+    qv = pf.count_parameters(pf.load_model_config("qwen2-1.5b"), LoraConfig(r=16, target_modules=["q_proj", "v_proj"]))
+    assert qv.adapted == 28 * (1536 * 1536 + 256 * 1536)
 
 
 def test_checkpointing_fp32_weights_and_logits_mode_change_the_right_rows():

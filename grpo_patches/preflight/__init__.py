@@ -49,8 +49,8 @@ storages of the tensors autograd saves (``torch.autograd.graph.saved_tensors_hoo
 layers with the pinned LoRA adapter over several shapes, least squares
 (``benchmarks/calibrate_activations.py``). Predictions use the CUDA table (H200: residual <= 1.7%;
 peaks within -4.6% to +8.9% of measured runs, docs/defaults_preflight_monitor.md);
-``tests/test_preflight.py`` re-measures the CPU table. With ``fast_generation=True`` the static KV
-cache is resident in every phase.
+``tests/test_preflight.py`` re-measures the CPU table. With ``fast_generation`` the static KV cache
+and the merged-LoRA buffer are counted while sampling (every phase without ``release_after_sampling``).
 """
 
 from __future__ import annotations
@@ -114,7 +114,6 @@ _ACT_COEF["cuda"] = {
     (4, True): {"hidden": 26.18, "intermediate": 17.18, "q": 26.18, "kv": 0.92, "heads": 133.39},
     (4, False): {"hidden": 15.18, "intermediate": 16.18, "q": 15.18, "kv": 0.92, "heads": 133.39},
 }
-_STATIC_CACHE_BUCKET = 64  # generation.FastGenerationConfig.bucket's default: cache = round_up(prompt) + completion
 _FUSED_TOKEN_CHUNK = 4096  # trl.kernels.chunked_logprob.TOKEN_CHUNK_SIZE
 _FUSED_VOCAB_CHUNK = 32768  # trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE
 
@@ -180,6 +179,7 @@ class ParamCount:
     layer_other: int = 0  # non-Linear parameters of one decoder layer (norms)
     linear_sizes: tuple[int, ...] = ()  # each such Linear's weight numel (bitsandbytes' per-tensor blocks)
     frozen_sizes: tuple[int, ...] = ()  # every base parameter's numel, named_parameters order (ZeRO-3 persistence)
+    adapted: int = 0  # base weights of the LoRA-adapted Linears (fast generation's merged buffer holds them once more)
 
     @property
     def frozen(self) -> int:
@@ -484,12 +484,20 @@ def count_parameters(model_config: Any, lora_config: Any = None, *, peft_always:
         if _is_plain_lora(lora) and not peft_always:
             trainable = _lora_params(model, lora.r, lora.target_modules)
             total = sum(p.numel() for p in model.parameters()) + trainable
+            names = set(lora.target_modules)
+            adapted = sum(m.weight.numel() for name, m in model.named_modules()
+                          if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in names)
         else:
+            from peft.tuners.lora.layer import LoraLayer
+
             peft_model = peft.get_peft_model(model, lora)
             total = sum(p.numel() for p in peft_model.parameters())
             trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+            adapted = sum(m.get_base_layer().weight.numel() for m in peft_model.modules()
+                          if isinstance(m, LoraLayer) and isinstance(m.get_base_layer(), torch.nn.Linear))
         _COUNT_CACHE[key] = ParamCount(total=total, trainable=trainable, embedding=embedding,
-                                       reference_trainable=reference, output_embedding=output_embedding, **layout)
+                                       reference_trainable=reference, output_embedding=output_embedding,
+                                       adapted=adapted, **layout)
     return _COUNT_CACHE[key]
 
 
@@ -609,6 +617,26 @@ def _reward_specs(reward_models: Iterable[Any]) -> tuple[list[RewardModelSpec], 
     return specs, functions
 
 
+@dataclasses.dataclass(frozen=True)
+class FastGenerationMemory:
+    """What ``apply(fast_generation=...)`` adds to a rank: its static KV cache and merged-LoRA buffer."""
+
+    cache_length: int  # tokens per row of the static cache
+    merged_bytes: int  # the merged buffer (0 without merge_lora)
+    released: bool  # release_after_sampling: both exist only while sampling
+
+    @classmethod
+    def of(cls, option: Any, *, prompt: int, completion: int, params: ParamCount, weight_bytes: int,
+           quantized: bool = False) -> FastGenerationMemory:
+        """``quantized``: a bitsandbytes base, whose adapters are never merged (no buffer)."""
+        from grpo_patches.generation import FastGenerationConfig
+
+        config = FastGenerationConfig.coerce(option) or FastGenerationConfig()
+        length = -(-max(prompt, config.max_prompt_length or 0) // config.bucket) * config.bucket + completion
+        merged = params.adapted * weight_bytes if config.merge_lora and not quantized else 0
+        return cls(length, merged, config.release_after_sampling)
+
+
 def _estimate(
     arch: _Arch,
     params: ParamCount,
@@ -629,7 +657,7 @@ def _estimate(
     capacity: int | None,
     overhead: int,
     fragmentation: float,
-    static_cache: int | None = None,
+    fast: FastGenerationMemory | None = None,
     layout: Layout = _DDP,
 ) -> list[RankEstimate]:
     tokens = batch * (prompt + completion)
@@ -669,8 +697,9 @@ def _estimate(
         "activations": _activations(arch, tokens, act, dropout, checkpointing),
         "logits_logps": _logits(arch, batch, completion, act, logits_mode),
         "autocast_cache": 0 if quantized else _autocast_copies(params, arch, w_bytes, act, checkpointing),
-        "kv_cache": (kv_layer * arch.layers + kv_layer if static_cache is None
-                     else 2 * arch.kv * static_cache * n_gen * act * arch.layers),
+        "kv_cache": (kv_layer * arch.layers + kv_layer if fast is None
+                     else 2 * arch.kv * fast.cache_length * n_gen * act * arch.layers),
+        "merged_buffer": fast.merged_bytes if fast is not None else 0,
         "generation_transient": _prefill_transient(arch, n_gen * prompt, act) + n_gen * arch.vocab * 4 * 3,
     }
     gen_gathered = layout.gathered(params, w_bytes, w, arch.hidden, "generation", checkpointing)
@@ -697,13 +726,13 @@ def _estimate(
         comp["reward_scoring"] = rm_scoring
         resident = (comp["weights"] + comp["lora_params"] + comp["optimizer_state"] + rm_weights + grad_copy
                     + comp["grad_bucket"])
-        # Fast generation keeps its static cache between steps (the CUDA graphs read it in place), so it
-        # is resident in every phase rather than a generation-only transient.
-        kv_resident = comp["kv_cache"] if static_cache is not None else 0
-        resident += kv_resident
+        # Fast generation's static cache and merged-LoRA buffer exist while sampling; with
+        # release_after_sampling=False they stay allocated through every phase.
+        fast_resident = comp["kv_cache"] + comp["merged_buffer"] if fast is not None and not fast.released else 0
+        resident += fast_resident
         phases = {
-            "generation": resident - kv_resident + comp["kv_cache"] + comp["generation_transient"] + gen_gathered
-            + comp["dequant_transient"],
+            "generation": resident - fast_resident + comp["kv_cache"] + comp["merged_buffer"]
+            + comp["generation_transient"] + gen_gathered + comp["dequant_transient"],
             "scoring": resident + rm_scoring,
             "training": resident + comp["lora_grads"] - grad_copy + comp["activations"] + comp["logits_logps"]
             + comp["autocast_cache"] + comp["gathered_weights"] + comp["dequant_transient"],
@@ -734,7 +763,7 @@ def preflight(
     fragmentation: float = 0.05,
     raise_on_error: bool = True,
     warn: bool = True,
-    fast_generation: bool = False,
+    fast_generation: Any = False,
     sharding: str = "auto",
     quantization: str | None = None,
     double_quant: bool = True,
@@ -750,8 +779,10 @@ def preflight(
     (every rank) or "main" (rank 0); ``prompt_length``: tokens (default: the config's
     ``max_prompt_length``, else 256); ``dtype``: the frozen weights' dtype (default: the config's
     ``model_init_kwargs`` dtype, else bf16 when bf16 is on); ``fast_generation``: the run uses
-    ``apply(fast_generation=...)``, whose static KV cache (prompt rounded up to 64 + completion)
-    stays allocated through training. ``sharding`` ("ddp", "zero2", "fsdp2", "zero3"; "auto":
+    ``apply(fast_generation=...)`` (``True``, a dict of ``FastGenerationConfig`` fields or such a
+    config): its static KV cache (prompt rounded up to ``bucket`` + completion) and merged-LoRA
+    buffer (``merge_lora``: the adapted base weights once more) are counted in the generation phase,
+    and in every phase with ``release_after_sampling=False``. ``sharding`` ("ddp", "zero2", "fsdp2", "zero3"; "auto":
     what ``accelerate launch`` set up, else ddp),
     ``quantization`` (None, "nf4", "int8": a bitsandbytes base, ``double_quant`` for nf4) and
     ``offload_base`` (frozen shards in host memory, fsdp2 / zero3; None: from accelerate's
@@ -859,8 +890,11 @@ def preflight(
                   w_bytes=_dtype_bytes(dtype), act=_dtype_bytes(compute_dtype), dropout=dropout, optim=optim,
                   logits_mode=mode, rewards=rewards, placement=reward_placement, capacity=capacity,
                   overhead=int(overhead_gb * GiB), fragmentation=fragmentation,
-                  static_cache=(-(-prompt // _STATIC_CACHE_BUCKET) * _STATIC_CACHE_BUCKET + completion
-                                if fast_generation and layout.sharding == "ddp" else None), layout=layout)
+                  fast=(FastGenerationMemory.of(fast_generation, prompt=prompt, completion=completion,
+                                                params=params, weight_bytes=_dtype_bytes(dtype),
+                                                quantized=layout.quantization is not None)
+                        if fast_generation and layout.sharding == "ddp" else None),
+                  layout=layout)
     ranks = _estimate(arch, params, checkpointing=checkpointing, **common)
     act_ckpt = _activations(arch, batch * (prompt + completion), common["act"], dropout, True)
     act_full = _activations(arch, batch * (prompt + completion), common["act"], dropout, False)
