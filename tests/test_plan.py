@@ -182,6 +182,26 @@ def test_article_scenario_plan_names_a_fitting_layout():
     assert "cheapest that fits" in str(result)
 
 
+def test_a_layout_known_to_fail_with_stock_trl_is_listed_but_never_recommended():
+    from grpo_patches.preflight import plan as plan_module
+
+    result = plan("llama-3.1-70b", grpo_config=ARTICLE, world_size=4, gpu_memory_gb=24, prompt_length=256)
+    failing = [e for e in result.entries if e.fits and e.known_failure]
+    assert [e.label() for e in failing] == ["fsdp2 offload ckpt"], "it fits in memory (and is the cheapest fit)"
+    assert failing[0].seconds > result.best.seconds and failing[0] not in result.fitting
+    assert result.best.label() == "fsdp2 nf4+dq ckpt" and not result.best.known_failure
+    text = str(result)
+    assert "fails: fsdp2 offload ckpt: fails under TRL 1.16" in text and "index is on cpu" in text
+    # meaningful: without the entry the same plan recommends that layout
+    saved = dict(plan_module.KNOWN_FAILURES)
+    plan_module.KNOWN_FAILURES.clear()
+    try:
+        again = plan("llama-3.1-70b", grpo_config=ARTICLE, world_size=4, gpu_memory_gb=24, prompt_length=256)
+        assert again.best.label() == "fsdp2 offload ckpt"
+    finally:
+        plan_module.KNOWN_FAILURES.update(saved)
+
+
 def test_plan_exits_1_naming_the_component_over_and_by_how_much(capsys):
     args = ["doctor", "--model", "llama-3.1-70b", "--world-size", "2", "--gpu-memory-gb", "8", "--plan",
             "--prompt-length", "256"] + [f"--set={k}={v}" for k, v in ARTICLE.items()]

@@ -40,9 +40,19 @@ from typing import Any
 
 from grpo_patches.preflight.layout import Layout, RoundCost
 
-__all__ = ["CostModel", "Plan", "PlanEntry", "plan"]
+__all__ = ["KNOWN_FAILURES", "CostModel", "Plan", "PlanEntry", "plan"]
 
 GiB = 2**30
+
+#: Layouts that fit in memory but were seen to fail with stock TRL, and what was seen. The plan lists
+#: them (column "fits": "fails") and never recommends them; a layout leaves this table when a run of it
+#: passes. Keyed by (sharding, quantization, offload_base).
+KNOWN_FAILURES: dict[tuple[str, str | None, bool], str] = {
+    ("fsdp2", None, True): (
+        "fails under TRL 1.16 / transformers 5.17: generate() puts the prompt on the CPU, where the offloaded "
+        "model says it lives ('index is on cpu'; one H200, benchmarks/results/2026-12-01-h200-preflight-sharded/"
+        "fsdp2-offload-1.5b.log)"),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +82,17 @@ class PlanEntry:
 
     @property
     def fits(self) -> bool:
+        """Fits in memory (whether it runs is :attr:`known_failure`)."""
         return bool(self.report.ok and self.report.fits)
+
+    @property
+    def known_failure(self) -> str:
+        """Why this layout does not run with stock TRL although it fits ("" if none is known)."""
+        return KNOWN_FAILURES.get((self.layout.sharding, self.layout.quantization, self.layout.offload_base), "")
+
+    @property
+    def usable(self) -> bool:
+        return self.fits and not self.known_failure
 
     @property
     def required(self) -> int:
@@ -122,7 +142,13 @@ class Plan:
 
     @property
     def fitting(self) -> list[PlanEntry]:
-        return [e for e in self.entries if e.fits]
+        """Those that fit and are not known to fail (:data:`KNOWN_FAILURES`)."""
+        return [e for e in self.entries if e.usable]
+
+    @property
+    def failing(self) -> list[PlanEntry]:
+        """Those that fit in memory but are known to fail with stock TRL."""
+        return [e for e in self.entries if e.fits and e.known_failure]
 
     @property
     def best(self) -> PlanEntry | None:
@@ -158,11 +184,12 @@ class Plan:
     def __str__(self) -> str:
         rows = [("#", "layout", "peak GiB (phase)", "needed/GPU", "fits", "extra s/round",
                  "gather GB", "host GB", "dequant GB", "recompute TFLOP", "host RAM GiB/rank")]
-        shown = self.fitting + [e for e in self.entries if not e.fits][:self.show_unfit]
+        shown = self.fitting + self.failing + [e for e in self.entries if not e.fits][:self.show_unfit]
         for i, e in enumerate(shown, 1):
             c = e.cost
             rows.append((str(i), e.label(), f"{e.worst.peak / GiB:.2f} ({e.worst.peak_phase})",
-                         f"{e.required / GiB:.2f}", ("tight" if e.tight else "yes") if e.fits else "NO",
+                         f"{e.required / GiB:.2f}",
+                         "fails" if e.known_failure and e.fits else ("tight" if e.tight else "yes") if e.fits else "NO",
                          f"{e.seconds:.1f}", f"{c.gather_bytes / 1e9:.0f}", f"{c.host_bytes / 1e9:.0f}",
                          f"{c.dequant_bytes / 1e9:.0f}", f"{c.recompute_flops / 1e12:.0f}",
                          f"{e.report.settings['host_weights_gb']:.1f}"))
@@ -170,7 +197,9 @@ class Plan:
         table = ["  ".join(cell.ljust(w) if j == 1 else cell.rjust(w) for j, (cell, w) in
                            enumerate(zip(row, widths, strict=True))) for row in rows]
         cm = self.cost_model
-        head = [f"plan: {len(self.fitting)} of {len(self.entries)} combinations fit in "
+        failing = (f" (and {len(self.failing)} more that fit but are known to fail with stock TRL)"
+                   if self.failing else "")
+        head = [f"plan: {len(self.fitting)} of {len(self.entries)} combinations fit{failing} in "
                 f"{(self.capacity or 0) / GiB:.2f} GiB per GPU; cost model: extra seconds per generation round at "
                 f"{cm.link_gbps:g} GB/s interconnect, {cm.host_gbps:g} GB/s host->GPU, {cm.hbm_gbps:g} GB/s HBM, "
                 f"{cm.tflops:g} TFLOPS (grpo_patches/preflight/plan.py)"]
@@ -184,6 +213,7 @@ class Plan:
             head.append("nothing fits. " + self.shortfall())
         hidden = len(self.entries) - len(shown)
         tail = [f"({hidden} more that do not fit are not shown; Plan.entries has them all)"] if hidden else []
+        tail += sorted({f"fails: {e.label()}: {e.known_failure}" for e in self.failing})
         return "\n".join(head + table + tail)
 
 
@@ -238,9 +268,9 @@ def plan(model_config: Any, *, grpo_config: Any = None, world_size: int = 1, gpu
             tokens = batch * (s["prompt_length"] + completion)
             cost = dataclasses.replace(cost, recompute_flops=steps * 2 * report.params.total * tokens)
         entries.append(PlanEntry(layout, ckpt, placement, report, cost, cost_model.seconds(cost)))
-    # Fits that keep S8's 2 GiB free per GPU first; then by cost; at equal cost the simpler setup (no
-    # DeepSpeed, no quantization), then the smaller peak.
-    entries.sort(key=lambda e: (not e.fits, e.tight,
+    # Fits that keep S8's 2 GiB free per GPU first (those known to fail after every other fit); then by
+    # cost; at equal cost the simpler setup (no DeepSpeed, no quantization), then the smaller peak.
+    entries.sort(key=lambda e: (not e.fits, bool(e.known_failure), e.tight,
                                 e.seconds if e.fits else e.required,
                                 ("ddp", "fsdp2", "zero2", "zero3").index(e.layout.sharding)
                                 + (e.layout.quantization is not None), e.required))
