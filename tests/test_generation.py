@@ -946,7 +946,7 @@ def test_merged_buffer_that_does_not_fit_samples_unmerged_with_one_warning(monke
     model = lora_policy()
     ids, mask = batch([5, 9, 7, 3])
 
-    def no_memory(self, layers):
+    def no_memory(self, model, layers):
         raise torch.OutOfMemoryError("simulated: no room for the buffer")
 
     monkeypatch.setattr(MergedLoRAWeights, "_allocate", no_memory)
@@ -962,7 +962,7 @@ def test_merged_buffer_that_does_not_fit_samples_unmerged_with_one_warning(monke
 
 
 def test_merged_buffer_leaves_layers_of_another_dtype_on_peft_path():
-    """One flat buffer holds one dtype: a layer in another dtype keeps PEFT's own (unmerged) path."""
+    """The buffer holds one dtype: a layer in another dtype keeps PEFT's own (unmerged) path."""
     model = lora_policy()
     odd = next(m for n, m in model.named_modules() if n.endswith("layers.1.mlp.down_proj"))
     odd.get_base_layer().to(torch.float64)
