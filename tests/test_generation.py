@@ -1080,3 +1080,24 @@ def test_gpu_fused_loop_is_one_cuda_graph_per_check_every_tokens_captured_once_a
         assert torch.equal(fast_generate(model, ids, mask, generation_config=greedy(), config=released),
                            eager_generate(model, ids, mask))
         assert stats.captures == captures0 + expected and not generation._MERGED[model].chunks
+
+
+def test_fused_step_is_not_taken_where_peft_trains_a_copy_of_the_norms():
+    """modules_to_save wraps the norms: the wrapper forwards .weight to the original, not the trained copy."""
+    from peft import LoraConfig, get_peft_model
+
+    from tests.helpers import tiny_policy
+
+    model = get_peft_model(tiny_policy(0, max_position_embeddings=256),
+                           LoraConfig(r=4, target_modules=ALL_PROJ, modules_to_save=["norm"], task_type="CAUSAL_LM"))
+    with torch.no_grad():  # the trained copy differs from the original: reading the original would be wrong
+        for name, p in model.named_parameters():
+            if "modules_to_save" in name:
+                p.mul_(3.0)
+    ids, mask = batch([5, 9, 7, 3])
+    fused0 = generation.GRAPH_STATS.fused.calls
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = fast_generate(model, ids, mask, generation_config=greedy(), config=graph_config(Counting()))
+    assert torch.equal(out, eager_generate(model, ids, mask))
+    assert generation.GRAPH_STATS.fused.calls == fused0 and "RMSNorm" in generation.GRAPH_STATS.fused.last_reason

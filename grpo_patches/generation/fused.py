@@ -126,6 +126,13 @@ def _linear(x: torch.Tensor, pieces: list[_Piece]) -> torch.Tensor:
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
 
+def _plain_rms_norm(module: Any) -> bool:
+    """transformers' own RMSNorm class (a PEFT ``modules_to_save`` wrapper would forward ``.weight`` to
+    the original module, not to the trained copy it runs)."""
+    return (type(module).__name__ in ("LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm")
+            and isinstance(getattr(module, "weight", None), torch.Tensor) and hasattr(module, "variance_epsilon"))
+
+
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' LlamaRMSNorm / Qwen2RMSNorm, operation for operation."""
     h = x.to(torch.float32)
@@ -210,11 +217,13 @@ class FusedDecoder:
                 groups.append(_fuse(pieces))
                 fused += len(group) > 1 and len(groups[-1]) == 1
             ln1, ln2 = getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None)
-            if not all(hasattr(n, "weight") and hasattr(n, "variance_epsilon") for n in (ln1, ln2)):
-                return None, f"layer {index}: the norms are not RMSNorm"
+            if not all(_plain_rms_norm(n) for n in (ln1, ln2)):
+                return None, f"layer {index}: the norms are not the model's own RMSNorm (wrapped or replaced)"
             if getattr(attn, "k_norm", None) is not None or getattr(attn, "q_norm", None) is not None:
                 return None, f"layer {index}: q/k norms"
             layers.append((ln1.weight, groups[0], groups[1], ln2.weight, groups[2], groups[3]))
+        if not _plain_rms_norm(inner.norm):
+            return None, "the final norm is not the model's own RMSNorm (wrapped or replaced)"
         args = (inner.embed_tokens.weight, layers, inner.norm.weight, base.lm_head.weight, inner.rotary_emb)
         return cls(shape, args, fused), ""
 
