@@ -303,5 +303,3 @@ def _fused_generate(model: nn.Module, decoder: FusedDecoder, cache: Any, input_i
                               stats.fused, graphs)
     stats.steps += steps
     return _finish(input_ids, out, s, max_new, stats)
-
-
