@@ -652,8 +652,9 @@ def exact_hunk_problems(patch_text: str, tree: Path) -> list[str]:
 
 def _git_apply_check(patch: Path, tree: Path) -> str:
     env = dict(os.environ, GIT_CEILING_DIRECTORIES=str(tree.parent))  # never the repo around the tree
-    done = subprocess.run(["git", "apply", "--check", "-v", str(patch)], cwd=tree, capture_output=True, text=True,
-                          env=env)
+    # --whitespace=error-all: a fork whose git is set to refuse whitespace errors must apply it too
+    done = subprocess.run(["git", "apply", "--check", "-v", "--whitespace=error-all", str(patch)], cwd=tree,
+                          capture_output=True, text=True, env=env)
     return "" if done.returncode == 0 else (done.stderr or done.stdout).strip()
 
 
