@@ -1101,3 +1101,38 @@ def test_fused_step_is_not_taken_where_peft_trains_a_copy_of_the_norms():
         out = fast_generate(model, ids, mask, generation_config=greedy(), config=graph_config(Counting()))
     assert torch.equal(out, eager_generate(model, ids, mask))
     assert generation.GRAPH_STATS.fused.calls == fused0 and "RMSNorm" in generation.GRAPH_STATS.fused.last_reason
+
+
+def test_fused_loop_whose_graph_capture_fails_decodes_step_by_step_after_the_warm_up_step(monkeypatch):
+    """The fallback path: a capture that fails after its real warm-up step leaves the loop to finish
+    step by step from there (same tokens, no step run twice), warns once and does not try again over
+    the same caches."""
+    from grpo_patches.generation import fused_loop
+
+    model = eos_prone_policy()
+    ids, mask = batch([5, 9, 7, 3])
+    eager = eager_generate(model, ids, mask)
+    attempts = []
+
+    def failing_capture(step, args, chunk):
+        step(*args)  # the real warm-up step, as _capture runs it
+        attempts.append(chunk)
+        raise RuntimeError("simulated: operation not permitted when stream is capturing")
+
+    stats = generation.GRAPH_STATS.fused
+    errors0 = len(stats.capture_errors)
+    reference = Counting()  # no graphs at all: step by step from the first token
+    plain = fast_generate(model, ids, mask, generation_config=greedy(),
+                          config=graph_config(reference, check_every=4, release_after_sampling=False))
+    monkeypatch.setattr(fused_loop, "_graphs_on", lambda device: True)
+    monkeypatch.setattr(fused_loop, "_capture", failing_capture)
+    fallback = Counting()
+    with pytest.warns(RuntimeWarning, match="could not be captured"):
+        first = fast_generate(model, ids, mask, generation_config=greedy(),
+                              config=graph_config(fallback, check_every=4, release_after_sampling=False))
+    assert torch.equal(plain, eager) and torch.equal(first, eager)
+    assert fallback.runs == reference.runs, "the warm-up step counts: none is run twice, none skipped"
+    second = fast_generate(model, ids, mask, generation_config=greedy(),
+                           config=graph_config(fallback, check_every=4, release_after_sampling=False))
+    assert torch.equal(second, eager)
+    assert attempts == [4] and len(stats.capture_errors) == errors0 + 1, "one attempt over the same caches"

@@ -61,6 +61,7 @@ def _make_token_step(s: Sampler, shape: DecoderShape) -> Callable:
 
 
 _STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {key: compiled token step}
+_FAILED = ("capture failed",)  # key in the pool's graphs: a capture over these caches failed
 
 
 def _compile_kwargs(config: FastGenerationConfig) -> dict[str, Any]:
@@ -122,7 +123,7 @@ def fused_decode(model: Any, decoder: FusedDecoder, cache: Any, first: torch.Ten
     keys = [layer.keys for layer in cache.layers]
     values = [layer.values for layer in cache.layers]
     step = _token_step(model, s, decoder.shape, config)
-    use_graph = graphs is not None and device.type == "cuda" and n_steps > 0
+    use_graph = graphs is not None and _graphs_on(device) and n_steps > 0 and _FAILED not in graphs
     entry_key = (batch, keys[0].shape[2], width, s, decoder.shape)
     entry = graphs.get(entry_key) if use_graph else None
     if entry is None:
@@ -160,6 +161,7 @@ def fused_decode(model: Any, decoder: FusedDecoder, cache: Any, first: torch.Ten
             except Exception as exc:  # noqa: BLE001 - a graph is a speed-up: decode step by step instead
                 entry.graph = None
                 graphs.pop(entry_key, None)
+                graphs[_FAILED] = True  # not again over these caches (the pool's release forgets it)
                 stats.capture_errors.append(repr(exc)[:300])
                 warn_once(f"capture:{type(exc).__name__}", "grpo_patches fast_generation: the fused decode loop "
                           f"could not be captured as a CUDA graph ({exc!r}); decoding step by step.")
@@ -174,6 +176,11 @@ def fused_decode(model: Any, decoder: FusedDecoder, cache: Any, first: torch.Ten
                 break
         return out, min(done, n_steps)
     return _stepwise(step, args, n_steps, chunk, unfinished, out, t)
+
+
+def _graphs_on(device: torch.device) -> bool:
+    """Whether the loop captures CUDA graphs on ``device``."""
+    return device.type == "cuda"
 
 
 def _stepwise(step: Callable, args: tuple, n_steps: int, chunk: int, unfinished: torch.Tensor,
