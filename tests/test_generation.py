@@ -1136,3 +1136,25 @@ def test_fused_loop_whose_graph_capture_fails_decodes_step_by_step_after_the_war
                            config=graph_config(fallback, check_every=4, release_after_sampling=False))
     assert torch.equal(second, eager)
     assert attempts == [4] and len(stats.capture_errors) == errors0 + 1, "one attempt over the same caches"
+
+
+def test_fused_q_k_v_bias_is_one_tensor_across_calls_and_follows_an_in_place_change():
+    """A captured graph is replayed only while every address it read is unchanged: the concatenated
+    q/k/v bias must not be a new tensor at every call (Qwen2), yet must follow a changed bias."""
+    from grpo_patches.generation.fused import FusedDecoder
+
+    model = qwen2_lora_policy()
+    model.eval()
+
+    def qkv_bias():
+        with generation.MergedLoRAWeights().applied(model):
+            return FusedDecoder.bind(model)[0].args[1][0][1][0][1]
+
+    first, second = qkv_bias(), qkv_bias()
+    assert first is second
+    attn = model.get_base_model().model.layers[0].self_attn
+    with torch.no_grad():
+        attn.q_proj.get_base_layer().bias.add_(1.0)
+    changed = qkv_bias()
+    assert changed is not first and torch.equal(changed[: first.shape[0] - 2 * attn.k_proj.out_features],
+                                                attn.q_proj.get_base_layer().bias)

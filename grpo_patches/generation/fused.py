@@ -17,6 +17,7 @@ would silently drop what it does not implement; :func:`fused_support` says why).
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -114,11 +115,31 @@ def _fuse(pieces: list[_Piece]) -> list[_Piece]:
         return pieces
     rows = sum(w.shape[0] for w in weights)
     fused = first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (rows, first.shape[1]))
+    return [(fused, _fused_bias(pieces))]
+
+
+_BIASES: dict[int, tuple] = {}  # id(first bias) -> (weak refs to the pieces' biases, versions, fused bias)
+
+
+def _fused_bias(pieces: list[_Piece]) -> torch.Tensor | None:
+    """The pieces' biases as one vector (zeros where a piece has none): the same tensor at every call
+    while the biases are the same tensors, unchanged in place, so a captured graph keeps its address."""
     biases = [b for _, b in pieces]
-    bias = None
-    if any(b is not None for b in biases):
-        bias = torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for (w, b) in pieces])
-    return [(fused, bias)]
+    if all(b is None for b in biases):
+        return None
+    anchor = next(b for b in biases if b is not None)
+    versions = tuple(None if b is None else b._version for b in biases)
+    kept = _BIASES.get(id(anchor))
+    if (kept is not None and versions == kept[1]
+            and all((r is None and b is None) or (r is not None and r() is b) for r, b in zip(kept[0], biases,
+                                                                                           strict=True))):
+        return kept[2]
+    if len(_BIASES) > 1024:  # forget the entries of biases that are gone
+        for key in [k for k, v in _BIASES.items() if any(r is not None and r() is None for r in v[0])]:
+            del _BIASES[key]
+    fused = torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for w, b in pieces])
+    _BIASES[id(anchor)] = (tuple(None if b is None else weakref.ref(b) for b in biases), versions, fused)
+    return fused
 
 
 def _linear(x: torch.Tensor, pieces: list[_Piece]) -> torch.Tensor:
