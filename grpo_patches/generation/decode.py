@@ -167,8 +167,9 @@ def _forward_kwargs(model: nn.Module) -> bool:
 
 
 def _prefill(model: nn.Module, cache: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-             s: _Sampler, max_new: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """The eager prefill into ``cache``: ``(first sampled token [B], key mask [B, L], cache length)``."""
+             s: _Sampler, max_new: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The eager prefill into ``cache``: ``(first sampled token [B], key mask [B, L], the first new
+    token's position [B, 1])``."""
     batch, prompt = input_ids.shape
     device = input_ids.device
     if attention_mask is None:
@@ -184,7 +185,7 @@ def _prefill(model: nn.Module, cache: Any, input_ids: torch.Tensor, attention_ma
     logits = model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
                    cache_position=torch.arange(prompt, device=device), past_key_values=cache, use_cache=True,
                    **extra).logits[:, -1, :]
-    return _pick(_warp(logits, s), s), mask, length
+    return _pick(_warp(logits, s), s), mask, attention_mask.long().sum(-1, keepdim=True)
 
 
 def _finish(input_ids: torch.Tensor, out: torch.Tensor, s: _Sampler, max_new: int,
@@ -203,14 +204,11 @@ def _graph_decode(model: nn.Module, cache: Any, input_ids: torch.Tensor, attenti
     """Prefill eagerly, then one compiled step of the model's own forward per token."""
     batch, prompt = input_ids.shape
     device = input_ids.device
-    first, mask, _ = _prefill(model, cache, input_ids, attention_mask, s, max_new)
-    if attention_mask is None:
-        attention_mask = torch.ones_like(input_ids)
+    first, mask, position_ids = _prefill(model, cache, input_ids, attention_mask, s, max_new)
     out = torch.full((batch, max_new), s.pad, dtype=input_ids.dtype, device=device)
     out[:, 0] = first
     tokens = first.view(batch, 1).to(input_ids.dtype)
     unfinished = ~_eos_hit(first, s)
-    position_ids = attention_mask.long().sum(-1, keepdim=True)  # the first new token's position
     cache_position = torch.tensor([prompt], dtype=torch.long, device=device)
     step = _compiled_step(model, s, config)
     mark = torch.compiler.cudagraph_mark_step_begin if _uses_cudagraphs(config) else None
@@ -297,10 +295,7 @@ def _fused_generate(model: nn.Module, decoder: FusedDecoder, cache: Any, input_i
                     attention_mask: torch.Tensor | None, s: _Sampler, max_new: int, config: FastGenerationConfig,
                     stats: GraphDecodeStats, graphs: dict | None) -> torch.Tensor:
     """The prefill, then the fused step's loop (``fused_loop``); CUDA graphs only on the pool's cache."""
-    first, mask, _ = _prefill(model, cache, input_ids, attention_mask, s, max_new)
-    if attention_mask is None:
-        attention_mask = torch.ones_like(input_ids)
-    positions = attention_mask.long().sum(-1, keepdim=True)  # the first new token's position
+    first, mask, positions = _prefill(model, cache, input_ids, attention_mask, s, max_new)
     out, steps = fused_decode(model, decoder, cache, first, mask, positions, input_ids.shape[1], s, max_new, config,
                               stats.fused, graphs)
     stats.steps += steps
