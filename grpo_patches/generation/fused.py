@@ -100,9 +100,9 @@ def _piece(module: nn.Module) -> _Piece | None:
     return None
 
 
-def _fuse(pieces: list[_Piece]) -> list[_Piece]:
+def _fuse(pieces: list[_Piece], owner: nn.Module) -> list[_Piece]:
     """One piece whose weight is a view over ``pieces``' weights if they lie back to back in memory
-    (the merged buffer's layout), else ``pieces`` unchanged."""
+    (the merged buffer's layout), else ``pieces`` unchanged. ``owner``: the module holding them."""
     weights = [w for w, _ in pieces]
     first = weights[0]
     size = first.element_size()
@@ -115,30 +115,24 @@ def _fuse(pieces: list[_Piece]) -> list[_Piece]:
         return pieces
     rows = sum(w.shape[0] for w in weights)
     fused = first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (rows, first.shape[1]))
-    return [(fused, _fused_bias(pieces))]
+    return [(fused, _fused_bias(pieces, owner))]
 
 
-_BIASES: dict[int, tuple] = {}  # id(first bias) -> (weak refs to the pieces' biases, versions, fused bias)
+_BIASES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # owning module -> (biases, versions, fused)
 
 
-def _fused_bias(pieces: list[_Piece]) -> torch.Tensor | None:
+def _fused_bias(pieces: list[_Piece], owner: nn.Module) -> torch.Tensor | None:
     """The pieces' biases as one vector (zeros where a piece has none): the same tensor at every call
-    while the biases are the same tensors, unchanged in place, so a captured graph keeps its address."""
-    biases = [b for _, b in pieces]
+    while they are the same tensors, unchanged in place, so a captured graph keeps its address."""
+    biases = tuple(b for _, b in pieces)
     if all(b is None for b in biases):
         return None
-    anchor = next(b for b in biases if b is not None)
     versions = tuple(None if b is None else b._version for b in biases)
-    kept = _BIASES.get(id(anchor))
-    if (kept is not None and versions == kept[1]
-            and all((r is None and b is None) or (r is not None and r() is b) for r, b in zip(kept[0], biases,
-                                                                                           strict=True))):
+    kept = _BIASES.get(owner)
+    if kept is not None and kept[1] == versions and all(x is y for x, y in zip(kept[0], biases, strict=True)):
         return kept[2]
-    if len(_BIASES) > 1024:  # forget the entries of biases that are gone
-        for key in [k for k, v in _BIASES.items() if any(r is not None and r() is None for r in v[0])]:
-            del _BIASES[key]
     fused = torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for w, b in pieces])
-    _BIASES[id(anchor)] = (tuple(None if b is None else weakref.ref(b) for b in biases), versions, fused)
+    _BIASES[owner] = (biases, versions, fused)
     return fused
 
 
@@ -235,7 +229,7 @@ class FusedDecoder:
                 if any(p is None for p in pieces):
                     return None, (f"layer {index} {'/'.join(group)}: not a plain linear map right now (an unmerged "
                                   "adapter, a quantized base or another module)")
-                groups.append(_fuse(pieces))
+                groups.append(_fuse(pieces, owner))
                 fused += len(group) > 1 and len(groups[-1]) == 1
             ln1, ln2 = getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None)
             if not all(_plain_rms_norm(n) for n in (ln1, ln2)):
