@@ -189,6 +189,7 @@ def test_a_layout_known_to_fail_with_stock_trl_is_listed_but_never_recommended()
     failing = [e for e in result.entries if e.fits and e.known_failure]
     assert [e.label() for e in failing] == ["fsdp2 offload ckpt"], "it fits in memory (and is the cheapest fit)"
     assert failing[0].seconds > result.best.seconds and failing[0] not in result.fitting
+    assert result.entries.index(result.best) < result.entries.index(failing[0]), "entries: usable fits first"
     assert result.best.label() == "fsdp2 nf4+dq ckpt" and not result.best.known_failure
     text = str(result)
     assert "fails: fsdp2 offload ckpt: fails under TRL 1.16" in text and "index is on cpu" in text
