@@ -232,7 +232,9 @@ def bench_generate(name: str, args, device, dtype) -> dict:
     graph_paths = {"graph": graph_config,
                    "graph_model": dataclasses.replace(graph_config, fused_decode=False),
                    "graph_unmerged": dataclasses.replace(graph_config, merge_lora=False),
-                   "graph_kept": dataclasses.replace(graph_config, release_after_sampling=False)}
+                   "graph_kept": dataclasses.replace(graph_config, release_after_sampling=False),
+                   "graph_sdpa": dataclasses.replace(graph_config, fused_attention="sdpa"),
+                   "graph_flex": dataclasses.replace(graph_config, fused_attention="flex")}
     for label, config in graph_paths.items():
         if label not in paths:
             continue
@@ -263,19 +265,76 @@ def bench_generate(name: str, args, device, dtype) -> dict:
     res["merged_buffer_gib"] = res["merged_buffer_bytes"] / 2**30
     res["graphs_compiled_first_call"] = res.get("fast_graphs_compiled_first_call")
     res["recompiles_after_warmup"] = res.get("fast_recompiles_after_warmup")
-    for label in ("fast", "graph", "graph_model", "graph_unmerged", "graph_kept"):
+    for label in ("fast", *GRAPH_PATHS):
         if f"{label}_ms_per_decode_step" in res and "eager_ms_per_decode_step" in res:
             res[f"speedup_{label}"] = res["eager_ms_per_decode_step"] / res[f"{label}_ms_per_decode_step"]
     cache_len = -(-max(lengths) // args.bucket) * args.bucket + new
     res["hbm_floor_ms_params"], res["hbm_kv_ms_full_cache"] = floor_ms(model, batch, cache_len)
     floor = res["hbm_floor_ms_params"] + res["hbm_kv_ms_full_cache"]
     res["floor_ms_per_step"] = floor
-    for label in ("eager", "fast", "graph", "graph_model", "graph_unmerged", "graph_kept"):
+    for label in ("eager", "fast", *GRAPH_PATHS):
         if f"{label}_ms_per_decode_step" in res:
             res[f"{label}_x_floor"] = res[f"{label}_ms_per_decode_step"] / floor
+    if args.profile:
+        res["profile"] = {label: profile_decode(model, graph_paths[label], batch, L, vocab, args.profile_steps, device)
+                          for label in paths if label in graph_paths}
     model = None
     release(device)
     return res
+
+
+GRAPH_PATHS = ("graph", "graph_model", "graph_unmerged", "graph_kept", "graph_sdpa", "graph_flex")
+
+
+def _kernel_kind(name: str) -> str:
+    n = name.lower()
+    if any(k in n for k in ("gemm", "gemv", "cutlass", "sm90_xmma", "splitk", "cublas", "nvjet")):
+        return "matmul (cuBLAS)"
+    if any(k in n for k in ("fmha", "flash", "attention", "flex")):
+        return "attention kernel"
+    if n.startswith("triton"):
+        return "triton (inductor fused)"
+    return "other"
+
+
+def profile_decode(model, config, batch: int, length: int, vocab: int, steps: int, device) -> dict:
+    """Device time per decode step by kernel, from torch.profiler over one ``steps``-token call with
+    the CUDA graph off (the compiled step launched token by token, so every kernel is its own record;
+    the kernels are the graph's). Kernel time per step against the graph's measured step time gives
+    what launches and gaps cost."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from grpo_patches.generation import fused_loop
+
+    cfg = trl_generation_config(steps + 1, graph=True)
+    ids, mask = prompts(batch, length, vocab, device, seed=0)
+    graphs_on = fused_loop._graphs_on
+    fused_loop._graphs_on = lambda d: False
+    try:
+        fast_generate(model, ids, mask, generation_config=cfg, config=config)  # compile, warm
+        sync(device)
+        on_cuda = device.type == "cuda"  # on CPU (smoke runs) the records are operators, not kernels
+        with profile(activities=[ProfilerActivity.CUDA if on_cuda else ProfilerActivity.CPU]) as prof:
+            fast_generate(model, ids, mask, generation_config=cfg, config=config)
+            sync(device)
+    finally:
+        fused_loop._graphs_on = graphs_on
+    kernels: dict[str, list] = {}
+    for e in prof.events():
+        if not on_cuda or e.device_type == torch.autograd.DeviceType.CUDA:
+            k = kernels.setdefault(e.name, [0, 0.0])
+            k[0] += 1
+            k[1] += e.device_time_total if on_cuda else e.self_cpu_time_total
+    # the prefill's kernels are in the record too: per-step figures divide by the decode steps, so
+    # they overstate the step a little (one prefill against `steps` steps)
+    top = sorted(kernels.items(), key=lambda kv: -kv[1][1])
+    kinds: dict[str, float] = {}
+    for name, (_, us) in top:
+        kinds[_kernel_kind(name)] = kinds.get(_kernel_kind(name), 0.0) + us / steps / 1e3
+    return {"steps": steps, "kernel_ms_per_step": sum(us for _, (_, us) in top) / steps / 1e3,
+            "launches_per_step": sum(n for _, (n, _) in top) / steps, "by_kind_ms_per_step": kinds,
+            "top": [{"kernel": name[:120], "per_step": n / steps, "ms_per_step": us / steps / 1e3}
+                    for name, (n, us) in top[:25]]}
 
 
 # --dropout -----------------------------------------------------------------------------------------
@@ -482,7 +541,7 @@ def main(argv=None) -> int:
                     help="sampling with the LoRA dropout on vs off: speed (eager, graph loop) and the samples")
     ap.add_argument("--lora-b-std", type=float, default=0.02, help="--dropout: std of the random LoRA B")
     ap.add_argument("--paths", default="eager,fast,graph,graph_unmerged",
-                    help="generate mode: comma list of eager, fast, graph, graph_unmerged, graph_kept")
+                    help="generate mode: comma list of eager, fast, " + ", ".join(GRAPH_PATHS))
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=None, help="default 256 (16 for tiny)")
     ap.add_argument("--prompt-length", type=int, default=128)
@@ -498,6 +557,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--workdir", default="/tmp/bench_generation")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--profile", action="store_true",
+                    help="generate mode: also a kernel profile of each graph path's decode step (CUDA)")
+    ap.add_argument("--profile-steps", type=int, default=32)
     args = ap.parse_args(argv)
     names = [n.strip() for n in args.policy.split(",") if n.strip()]
     if unknown := [n for n in names if n not in POLICIES]:
@@ -566,6 +628,10 @@ def main(argv=None) -> int:
                            ("x floor", "graph_model_x_floor"),
                            ("graph, fused step (merged) ms/step", "graph_ms_per_decode_step"), ("x floor", "graph_x_floor"),
                            ("graph kept ms/step", "graph_kept_ms_per_decode_step"),
+                           ("fused, sdpa attention ms/step", "graph_sdpa_ms_per_decode_step"),
+                           ("x floor", "graph_sdpa_x_floor"),
+                           ("fused, flex attention ms/step", "graph_flex_ms_per_decode_step"),
+                           ("x floor", "graph_flex_x_floor"),
                            ("graph speed-up vs eager", "speedup_graph"),
                            ("first graph call s (compile)", "graph_first_call_s"),
                            ("graph recompiles after warm-up", "graph_recompiles_after_warmup"),

@@ -426,6 +426,7 @@ def run_variant(args, variant: str, round_idx: int, ctx: dict[str, Any]) -> dict
     base_alloc = torch.cuda.memory_allocated() if cuda else 0
     if cuda:
         torch.cuda.reset_peak_memory_stats()
+        torch.cuda.reset_accumulated_memory_stats()
     options, config_overrides = VARIANTS[variant]
     placement = options and options["reward_placement"]
     if options is None:
@@ -472,6 +473,10 @@ def run_variant(args, variant: str, round_idx: int, ctx: dict[str, Any]) -> dict
         mem = {"peak_allocated_bytes": torch.cuda.max_memory_allocated(),
                "peak_reserved_bytes": torch.cuda.max_memory_reserved(),
                "base_allocated_bytes": base_alloc}
+        stats = torch.cuda.memory_stats()  # over the whole run: warm-up and timed steps
+        mem["allocator"] = {"alloc_retries": stats.get("num_alloc_retries"), "ooms": stats.get("num_ooms"),
+                            "cuda_mallocs": stats.get("num_device_alloc"), "cuda_frees": stats.get("num_device_free"),
+                            "conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")}
     trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
     trainer.accelerator.free_memory()  # drops accelerate's references to the model and optimizer
     alive = weakref.ref(trainer)
@@ -579,7 +584,8 @@ def worker(args) -> int:
             peak = rec.get("peak_allocated_bytes")
             log(f"{variant} done: median step {s.get('median', float('nan')):.2f} s, peak allocated "
                 f"{(peak or 0) / GiB:.2f} GiB (rank 0), build {rec['build_s']:.1f} s, train "
-                f"{rec['train_s']:.1f} s; elapsed {time.perf_counter() - t0:.0f} s", rank)
+                f"{rec['train_s']:.1f} s; elapsed {time.perf_counter() - t0:.0f} s; allocator "
+                f"{rec.get('allocator')}; steps {[round(d.get('step_s') or 0, 2) for d in rec['timed_steps']]}", rank)
             fl = rec["floor"]
             log(f"{variant} floor: {fl['floor_s']:.3f} s per step ({fl['floor_flops'] / 1e12:.1f} TFLOP at "
                 f"{PEAK_BF16_FLOPS / 1e12:.0f} TFLOP/s, {fl['floor_decode_bytes'] / 1e9:.0f} GB of decode reads at "

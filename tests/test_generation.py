@@ -1001,14 +1001,15 @@ def qwen2_lora_policy(seed=0):
     return peft
 
 
+@pytest.mark.parametrize("attention", ["matmul", "sdpa", "flex"])
 @pytest.mark.parametrize("make", [lora_policy, qwen2_lora_policy], ids=["llama", "qwen2-bias"])
-def test_fused_step_equals_eager_generate_and_runs_q_k_v_and_gate_up_as_one_matmul(make):
+def test_fused_step_equals_eager_generate_and_runs_q_k_v_and_gate_up_as_one_matmul(make, attention):
     from grpo_patches.generation.fused import FusedDecoder
 
     model = make()
     fused0 = generation.GRAPH_STATS.fused.calls
     counting = Counting()
-    config = graph_config(counting, check_every=4)
+    config = graph_config(counting, check_every=4, fused_attention=attention)
     for seed, lengths in enumerate(([5, 9, 7, 3], [11, 4, 8, 6])):
         ids, mask = batch(lengths, seed=seed)
         assert torch.equal(fast_generate(model, ids, mask, generation_config=greedy(), config=config),
@@ -1064,9 +1065,11 @@ def test_merged_buffer_is_one_block_per_decoder_layer_in_module_order():
 
 @gpu
 @pytest.mark.slow
-def test_gpu_fused_loop_is_one_cuda_graph_per_check_every_tokens_captured_once_and_equal_to_eager():
+@pytest.mark.parametrize("attention", ["matmul", "sdpa", "flex"])
+def test_gpu_fused_loop_is_one_cuda_graph_per_check_every_tokens_captured_once_and_equal_to_eager(attention):
     model = eos_prone_policy().cuda()
-    kept = FastGenerationConfig(decode_loop="graph", check_every=4, release_after_sampling=False)
+    kept = FastGenerationConfig(decode_loop="graph", check_every=4, release_after_sampling=False,
+                                fused_attention=attention)
     stats = generation.GRAPH_STATS.fused
     captures0, replays0 = stats.captures, stats.replays
     for seed, lengths in enumerate(([5, 9, 7, 3], [11, 4, 8, 6], [2, 13, 9, 9])):
@@ -1075,7 +1078,8 @@ def test_gpu_fused_loop_is_one_cuda_graph_per_check_every_tokens_captured_once_a
                            eager_generate(model, ids, mask)), lengths
     assert stats.capture_errors == [] and stats.captures == captures0 + 1, "captured once, replayed after"
     assert stats.replays - replays0 >= 3 * 2, "12 new tokens in replays of 4"
-    released = FastGenerationConfig(decode_loop="graph", check_every=4)  # the default: graph dropped with the cache
+    released = FastGenerationConfig(decode_loop="graph", check_every=4,  # the default: graph dropped with the cache
+                                    fused_attention=attention)
     for expected in (1, 2):  # the first still replays the kept graph, then frees it; the second captures anew
         assert torch.equal(fast_generate(model, ids, mask, generation_config=greedy(), config=released),
                            eager_generate(model, ids, mask))

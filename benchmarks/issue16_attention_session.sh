@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Issue 16, third session: the fused step's attention kernel (FastGenerationConfig.fused_attention:
+# "matmul" = transformers' eager arithmetic, "sdpa" = one scaled_dot_product_attention kernel,
+# "flex" = FlexAttention's split-cache decoding kernel) on one H200, and the GRPO step with the default.
+#
+#   bash benchmarks/issue16_attention_session.sh 1   # GPU tests of the fused loop (each attention);
+#                                                    # decode ms/step + kernel profile, 1.5B, batch 8 and 192
+#   bash benchmarks/issue16_attention_session.sh 2   # GRPO step, 1 GPU, 0.5B and 1.5B: stock vs patched-graph
+#   bash benchmarks/issue16_attention_session.sh 3   # 24 GiB cap, 1.5B: stock 192, the kit 192 and 160
+#
+# Wheels the device image lacks (trl, datasets, dill, multiprocess) come from .whl/sharded (carry ".whl").
+# Results: benchmarks/results/2026-12-01-h200-issue16-attention/ and $OUT/partN.tar.gz.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+part=${1:?part 1, 2 or 3}
+R=${R:-benchmarks/results/2026-12-01-h200-issue16-attention}
+mkdir -p "$R"
+TAG=issue16a
+. benchmarks/device_jobs.sh
+python3 -m pip install -q --no-deps --no-index .whl/sharded/trl-*.whl .whl/sharded/datasets-*.whl \
+    .whl/sharded/dill-*.whl .whl/sharded/multiprocess-*.whl 2>&1 | tail -2
+python3 -c "import torch, transformers, peft, trl; print(torch.__version__, transformers.__version__, peft.__version__, trl.__version__)" \
+    | tee "$R/versions.txt"
+probe() {  # probe VARIANT BATCH [TIMEOUT]: one 24 GiB probe at BATCH only, 1 + PROBE_STEPS-1 steps
+  echo "python3 benchmarks/bench_grpo.py --find-max-batch --nproc 1 --mem-cap-gb 24 --policy 1.5b --grad-ckpt on \
+    --variants $1 --start-batch $2 --max-batch-limit $2 --no-bisect --probe-steps ${PROBE_STEPS:-4} \
+    --probe-timeout ${3:-125} --out $R/24gb-1.5b"
+}
+decode() {  # decode BATCH: the three attention kernels, timed and profiled, one process
+  echo "python3 benchmarks/bench_generation.py --policy 1.5b --batch $1 --paths graph,graph_sdpa,graph_flex \
+    --repeats 1 --profile --profile-steps 64 --out $R/decode-1.5b-b$1.json"
+}
+case $part in
+1)
+  job gpu-tests 140 "python3 -m pytest -q -p no:cacheprovider -k 'gpu and fused' tests/test_generation.py"; wait
+  job decode-b8 190 "$(decode 8)"; wait
+  job decode-b192 200 "$(decode 192)"
+  ;;
+2)
+  job grpo-0.5b 200 "GPUS=1 POLICY=0.5b VARIANTS=stock,patched-graph STEPS=3 BUDGET_S=195 \
+    BENCH_OUT=$R/1gpu-0.5b bash benchmarks/run_bench.sh"; wait
+  job grpo-1.5b 260 "GPUS=1 POLICY=1.5b VARIANTS=stock,patched-graph STEPS=3 BUDGET_S=255 \
+    BENCH_OUT=$R/1gpu-1.5b bash benchmarks/run_bench.sh"
+  ;;
+3)
+  job 24gb 560 "$(probe stock 192 150); $(probe patched-graph 192 120); $(probe patched-graph 160 100)"
+  ;;
+*) echo "part must be 1, 2 or 3" >&2; exit 2 ;;
+esac
+wait
+log "part $part done"
+for f in "$R"/*.log; do echo "== $f"; tail -40 "$f"; done
+if [ -n "${OUT:-}" ]; then tar czf "$OUT/part$part.tar.gz" "$R"; fi
