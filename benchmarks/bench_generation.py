@@ -238,6 +238,7 @@ def bench_generate(name: str, args, device, dtype) -> dict:
     for label, config in graph_paths.items():
         if label not in paths:
             continue
+        print(f"[{name}] {time.strftime('%T')} {label}: timing", file=sys.stderr, flush=True)
         try:
             stats0 = copy.deepcopy(generation.GRAPH_STATS)
             res.update(time_fast(model, label, config, trl_generation_config(new, graph=True),
@@ -275,9 +276,11 @@ def bench_generate(name: str, args, device, dtype) -> dict:
     for label in ("eager", "fast", *GRAPH_PATHS):
         if f"{label}_ms_per_decode_step" in res:
             res[f"{label}_x_floor"] = res[f"{label}_ms_per_decode_step"] / floor
-    if args.profile:
-        res["profile"] = {label: profile_decode(model, graph_paths[label], batch, L, vocab, args.profile_steps, device)
-                          for label in paths if label in graph_paths}
+    if args.profile:  # the timed calls' cache and output shapes: no recompilation
+        res["profile"] = {}
+        for label in (p for p in paths if p in graph_paths and f"{p}_error" not in res):
+            print(f"[{name}] {time.strftime('%T')} {label}: profile", file=sys.stderr, flush=True)
+            res["profile"][label] = profile_decode(model, graph_paths[label], batch, L, vocab, new, device)
     model = None
     release(device)
     return res
@@ -297,8 +300,8 @@ def _kernel_kind(name: str) -> str:
     return "other"
 
 
-def profile_decode(model, config, batch: int, length: int, vocab: int, steps: int, device) -> dict:
-    """Device time per decode step by kernel, from torch.profiler over one ``steps``-token call with
+def profile_decode(model, config, batch: int, length: int, vocab: int, new: int, device) -> dict:
+    """Device time per decode step by kernel, from torch.profiler over one ``new``-token call with
     the CUDA graph off (the compiled step launched token by token, so every kernel is its own record;
     the kernels are the graph's). Kernel time per step against the graph's measured step time gives
     what launches and gaps cost."""
@@ -306,7 +309,7 @@ def profile_decode(model, config, batch: int, length: int, vocab: int, steps: in
 
     from grpo_patches.generation import fused_loop
 
-    cfg = trl_generation_config(steps + 1, graph=True)
+    cfg, steps = trl_generation_config(new, graph=True), new - 1
     ids, mask = prompts(batch, length, vocab, device, seed=0)
     graphs_on = fused_loop._graphs_on
     fused_loop._graphs_on = lambda d: False
@@ -326,7 +329,7 @@ def profile_decode(model, config, batch: int, length: int, vocab: int, steps: in
             k[0] += 1
             k[1] += e.device_time_total if on_cuda else e.self_cpu_time_total
     # the prefill's kernels are in the record too: per-step figures divide by the decode steps, so
-    # they overstate the step a little (one prefill against `steps` steps)
+    # they overstate the step a little (one prefill against `new - 1` steps)
     top = sorted(kernels.items(), key=lambda kv: -kv[1][1])
     kinds: dict[str, float] = {}
     for name, (_, us) in top:
@@ -559,7 +562,6 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--profile", action="store_true",
                     help="generate mode: also a kernel profile of each graph path's decode step (CUDA)")
-    ap.add_argument("--profile-steps", type=int, default=32)
     args = ap.parse_args(argv)
     names = [n.strip() for n in args.policy.split(",") if n.strip()]
     if unknown := [n for n in names if n not in POLICIES]:

@@ -28,7 +28,7 @@ probe() {  # probe VARIANT BATCH [TIMEOUT]: one 24 GiB probe at BATCH only, 1 + 
 }
 decode() {  # decode BATCH: the three attention kernels, timed and profiled, one process
   echo "python3 benchmarks/bench_generation.py --policy 1.5b --batch $1 --paths graph,graph_sdpa,graph_flex \
-    --repeats 1 --profile --profile-steps 64 --out $R/decode-1.5b-b$1.json"
+    --repeats 1 --profile --out $R/decode-1.5b-b$1.json"
 }
 case $part in
 1)

@@ -76,6 +76,8 @@ def fused_support(model: nn.Module, attention: str = "matmul") -> tuple[DecoderS
         return None, "the embeddings or the LM head are wrapped (e.g. modules_to_save)"
     heads, kv_heads = int(cfg.num_attention_heads), int(cfg.num_key_value_heads)
     head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+    if attention == "flex" and head_dim < 16:  # inductor's FlexAttention template needs tl.dot's minimum
+        return None, f"fused_attention='flex' needs head_dim >= 16 (this model's is {head_dim})"
     return DecoderShape(heads, kv_heads, head_dim, int(cfg.intermediate_size), float(cfg.rms_norm_eps), attention), ""
 
 
