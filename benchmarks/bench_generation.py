@@ -262,6 +262,8 @@ def bench_generate(name: str, args, device, dtype) -> dict:
             res[f"{label}_traceback"] = traceback.format_exc(limit=8)
             print(f"[{name}] {label} decode loop failed: {res[f'{label}_error']}", file=sys.stderr, flush=True)
         gc.collect()
+        if args.out:  # what is measured so far survives a timeout of the whole run
+            Path(args.out + ".partial").write_text(json.dumps(res, indent=2, default=str))
     res["merged_buffer_bytes"] = merged_bytes(model)
     res["merged_buffer_gib"] = res["merged_buffer_bytes"] / 2**30
     res["graphs_compiled_first_call"] = res.get("fast_graphs_compiled_first_call")
