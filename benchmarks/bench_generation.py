@@ -283,6 +283,8 @@ def bench_generate(name: str, args, device, dtype) -> dict:
         for label in (p for p in paths if p in graph_paths and f"{p}_error" not in res):
             print(f"[{name}] {time.strftime('%T')} {label}: profile", file=sys.stderr, flush=True)
             res["profile"][label] = profile_decode(model, graph_paths[label], batch, L, vocab, new, device)
+            if args.out:
+                Path(args.out + ".partial").write_text(json.dumps(res, indent=2, default=str))
     model = None
     release(device)
     return res

@@ -3,10 +3,12 @@
 # "matmul" = transformers' eager arithmetic, "sdpa" = one scaled_dot_product_attention kernel,
 # "flex" = FlexAttention's split-cache decoding kernel) on one H200, and the GRPO step with the default.
 #
-#   bash benchmarks/issue16_attention_session.sh 1   # GPU tests of the fused loop (each attention);
-#                                                    # decode ms/step + kernel profile, 1.5B, batch 8 and 192
-#   bash benchmarks/issue16_attention_session.sh 2   # GRPO step, 1 GPU, 0.5B and 1.5B: stock vs patched-graph
-#   bash benchmarks/issue16_attention_session.sh 3   # 24 GiB cap, 1.5B: stock 192, the kit 192 and 160
+#   bash benchmarks/issue16_attention_session.sh 1   # GPU tests of the fused loop (each attention); decode
+#                                                    # ms/step of each attention, 1.5B, batch 8 and 192; GRPO
+#                                                    # step, 1 GPU, 1.5B: stock vs the kit (matmul, sdpa)
+#   bash benchmarks/issue16_attention_session.sh 3   # 24 GiB cap, 1.5B: stock 192, the kit 192 and 160 (1 + 4
+#                                                    # steps each); GRPO step 0.5B; kernel profile, batch 8
+#   (part 2, the 1-GPU runs without the decode jobs, was not run: part 1 and 3 cover it)
 #
 # Wheels the device image lacks (trl, datasets, dill, multiprocess) come from .whl/sharded (carry ".whl").
 # Results: benchmarks/results/2026-12-01-h200-issue16-attention/ and $OUT/partN.tar.gz.
@@ -44,8 +46,13 @@ case $part in
   job grpo-1.5b 260 "GPUS=1 POLICY=1.5b VARIANTS=stock,patched-graph STEPS=3 BUDGET_S=255 \
     BENCH_OUT=$R/1gpu-1.5b bash benchmarks/run_bench.sh"
   ;;
-3)
-  job 24gb 560 "$(probe stock 192 150); $(probe patched-graph 192 120); $(probe patched-graph 160 100)"
+3)  # one call: the 24 GiB comparison (1 + 4 steps per probe), the 0.5B step, the batch-8 kernel profile
+  job 24gb 330 "$(PROBE_STEPS=5 probe stock 192 150); $(PROBE_STEPS=5 probe patched-graph 192 95); \
+    $(PROBE_STEPS=5 probe patched-graph 160 85)"; wait
+  job grpo-0.5b 150 "GPUS=1 POLICY=0.5b VARIANTS=stock,patched-graph STEPS=2 BUDGET_S=145 \
+    BENCH_OUT=$R/1gpu-0.5b bash benchmarks/run_bench.sh"; wait
+  job profile-b8 75 "python3 benchmarks/bench_generation.py --policy 1.5b --batch 8 --paths graph --repeats 0 \
+    --profile --out $R/profile-1.5b-b8.json"
   ;;
 *) echo "part must be 1, 2 or 3" >&2; exit 2 ;;
 esac
