@@ -232,9 +232,7 @@ def bench_generate(name: str, args, device, dtype) -> dict:
     graph_paths = {"graph": graph_config,
                    "graph_model": dataclasses.replace(graph_config, fused_decode=False),
                    "graph_unmerged": dataclasses.replace(graph_config, merge_lora=False),
-                   "graph_kept": dataclasses.replace(graph_config, release_after_sampling=False),
-                   "graph_sdpa": dataclasses.replace(graph_config, fused_attention="sdpa"),
-                   "graph_flex": dataclasses.replace(graph_config, fused_attention="flex")}
+                   "graph_kept": dataclasses.replace(graph_config, release_after_sampling=False)}
     for label, config in graph_paths.items():
         if label not in paths:
             continue
@@ -290,7 +288,7 @@ def bench_generate(name: str, args, device, dtype) -> dict:
     return res
 
 
-GRAPH_PATHS = ("graph", "graph_model", "graph_unmerged", "graph_kept", "graph_sdpa", "graph_flex")
+GRAPH_PATHS = ("graph", "graph_model", "graph_unmerged", "graph_kept")
 
 
 def _kernel_kind(name: str) -> str:
@@ -634,10 +632,7 @@ def main(argv=None) -> int:
                            ("x floor", "graph_model_x_floor"),
                            ("graph, fused step (merged) ms/step", "graph_ms_per_decode_step"), ("x floor", "graph_x_floor"),
                            ("graph kept ms/step", "graph_kept_ms_per_decode_step"),
-                           ("fused, sdpa attention ms/step", "graph_sdpa_ms_per_decode_step"),
-                           ("x floor", "graph_sdpa_x_floor"),
-                           ("fused, flex attention ms/step", "graph_flex_ms_per_decode_step"),
-                           ("x floor", "graph_flex_x_floor"),
+
                            ("graph speed-up vs eager", "speedup_graph"),
                            ("first graph call s (compile)", "graph_first_call_s"),
                            ("graph recompiles after warm-up", "graph_recompiles_after_warmup"),

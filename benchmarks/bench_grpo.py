@@ -84,9 +84,6 @@ VARIANTS: dict[str, tuple[dict[str, Any] | None, dict[str, Any]]] = {
     # merged buffer, but caches and buffer kept through training (no re-allocation between rounds)
     "patched-graph-kept": ({"reward_placement": "local", "fast_generation": {
         "decode_loop": "graph", "release_after_sampling": False}}, {}),
-    # the fused step's attention as one kernel (FastGenerationConfig.fused_attention)
-    **{f"patched-graph-{kind}": ({"reward_placement": "local", "fast_generation": {
-        "decode_loop": "graph", "fused_attention": kind}}, {}) for kind in ("matmul", "sdpa", "flex")},
 }
 #: (variant, baseline, target): the patch's overhead where both sides generate the same way.
 OVERHEAD_PAIRS = [("patched-graph", "stock-graph", 1.01)]

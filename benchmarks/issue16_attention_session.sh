@@ -2,6 +2,9 @@
 # Issue 16, third session: the fused step's attention kernel (FastGenerationConfig.fused_attention:
 # "matmul" = transformers' eager arithmetic, "sdpa" = one scaled_dot_product_attention kernel,
 # "flex" = FlexAttention's split-cache decoding kernel) on one H200, and the GRPO step with the default.
+# Ran at 1670bb5 (part 1) and 77af6d3 (part 3). "matmul" was the fastest everywhere, so the option
+# and the graph_sdpa / graph_flex / patched-graph-{sdpa,flex} variants were removed after: check out
+# 77af6d3 to run this script again.
 #
 #   bash benchmarks/issue16_attention_session.sh 1   # GPU tests of the fused loop (each attention); decode
 #                                                    # ms/step of each attention, 1.5B, batch 8 and 192; GRPO

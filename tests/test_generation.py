@@ -63,10 +63,10 @@ class Counting:
         return FastGenerationConfig(force_compile=True, backend=self.backend(), **kw)
 
 
-def lora_policy(seed=0, dropout=0.0, dtype=torch.float32, **shape):
+def lora_policy(seed=0, dropout=0.0, dtype=torch.float32):
     from peft import LoraConfig, get_peft_model
 
-    model = tiny_policy(seed, max_position_embeddings=256, **shape)
+    model = tiny_policy(seed, max_position_embeddings=256)
     peft = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=ALL_PROJ,
                                             task_type="CAUSAL_LM"))
     torch.manual_seed(seed + 1)
@@ -497,9 +497,9 @@ def test_gpu_trainer_steps_compile_once():
 # decode_loop="graph": one compiled step per token (forward + sampling + EOS bookkeeping) --------------
 
 
-def eos_prone_policy(seed=0, scale=1.5, **shape):
+def eos_prone_policy(seed=0, scale=1.5):
     """The LoRA policy with the EOS row of the lm_head scaled up: some rows end early, others not."""
-    model = lora_policy(seed, **shape)
+    model = lora_policy(seed)
     with torch.no_grad():
         model.get_base_model().lm_head.weight[1] *= scale
     return model
@@ -743,17 +743,6 @@ def test_decode_loop_config_validation():
         FastGenerationConfig(decode_loop="cuda")
     with pytest.raises(ValueError):
         FastGenerationConfig(check_every=0)
-    with pytest.raises(ValueError, match=r"fused_attention='xformers' must be one of \('matmul', 'sdpa', 'flex'\)"):
-        FastGenerationConfig(fused_attention="xformers")
-
-
-def test_flex_attention_is_refused_below_its_kernels_head_dim_with_the_reason():
-    from grpo_patches.generation.fused import fused_support
-
-    small, wide = lora_policy(), lora_policy(hidden_size=64)  # head_dim 8 and 16
-    assert fused_support(small, "sdpa")[1] == "" and fused_support(wide, "flex")[1] == ""
-    shape, why = fused_support(small, "flex")
-    assert shape is None and why == "fused_attention='flex' needs head_dim >= 16 (this model's is 8)"
 
 
 def test_graph_loop_greedy_with_a_list_of_eos_ids_and_no_pad_id():
@@ -990,7 +979,7 @@ def test_merged_buffer_leaves_layers_of_another_dtype_on_peft_path():
 # the fused decode step (fused_decode=True, the default): the kit's own forward for Llama / Qwen2 ------
 
 
-def qwen2_lora_policy(seed=0, **shape):
+def qwen2_lora_policy(seed=0):
     """A Qwen2 (q/k/v biases, set nonzero) with LoRA on all seven projections, GQA 4 heads on 2."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -998,7 +987,7 @@ def qwen2_lora_policy(seed=0, **shape):
     from tests.helpers import tiny_config
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config("qwen2", max_position_embeddings=256, **shape))
+    model = AutoModelForCausalLM.from_config(tiny_config("qwen2", max_position_embeddings=256))
     model.generation_config.pad_token_id, model.generation_config.eos_token_id = 0, 1
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -1012,15 +1001,14 @@ def qwen2_lora_policy(seed=0, **shape):
     return peft
 
 
-@pytest.mark.parametrize("attention", ["matmul", "sdpa", "flex"])
 @pytest.mark.parametrize("make", [lora_policy, qwen2_lora_policy], ids=["llama", "qwen2-bias"])
-def test_fused_step_equals_eager_generate_and_runs_q_k_v_and_gate_up_as_one_matmul(make, attention):
+def test_fused_step_equals_eager_generate_and_runs_q_k_v_and_gate_up_as_one_matmul(make):
     from grpo_patches.generation.fused import FusedDecoder
 
-    model = make(hidden_size=64)  # head_dim 16, which FlexAttention's kernel needs
+    model = make()
     fused0 = generation.GRAPH_STATS.fused.calls
     counting = Counting()
-    config = graph_config(counting, check_every=4, fused_attention=attention)
+    config = graph_config(counting, check_every=4)
     for seed, lengths in enumerate(([5, 9, 7, 3], [11, 4, 8, 6])):
         ids, mask = batch(lengths, seed=seed)
         assert torch.equal(fast_generate(model, ids, mask, generation_config=greedy(), config=config),
@@ -1076,11 +1064,9 @@ def test_merged_buffer_is_one_block_per_decoder_layer_in_module_order():
 
 @gpu
 @pytest.mark.slow
-@pytest.mark.parametrize("attention", ["matmul", "sdpa", "flex"])
-def test_gpu_fused_loop_is_one_cuda_graph_per_check_every_tokens_captured_once_and_equal_to_eager(attention):
-    model = eos_prone_policy(hidden_size=64).cuda()  # head_dim 16: FlexAttention's compiled kernel's minimum
-    kept = FastGenerationConfig(decode_loop="graph", check_every=4, release_after_sampling=False,
-                                fused_attention=attention)
+def test_gpu_fused_loop_is_one_cuda_graph_per_check_every_tokens_captured_once_and_equal_to_eager():
+    model = eos_prone_policy().cuda()
+    kept = FastGenerationConfig(decode_loop="graph", check_every=4, release_after_sampling=False)
     stats = generation.GRAPH_STATS.fused
     captures0, replays0 = stats.captures, stats.replays
     for seed, lengths in enumerate(([5, 9, 7, 3], [11, 4, 8, 6], [2, 13, 9, 9])):
@@ -1089,8 +1075,7 @@ def test_gpu_fused_loop_is_one_cuda_graph_per_check_every_tokens_captured_once_a
                            eager_generate(model, ids, mask)), lengths
     assert stats.capture_errors == [] and stats.captures == captures0 + 1, "captured once, replayed after"
     assert stats.replays - replays0 >= 3 * 2, "12 new tokens in replays of 4"
-    released = FastGenerationConfig(decode_loop="graph", check_every=4,  # the default: graph dropped with the cache
-                                    fused_attention=attention)
+    released = FastGenerationConfig(decode_loop="graph", check_every=4)  # the default: graph dropped with the cache
     for expected in (1, 2):  # the first still replays the kept graph, then frees it; the second captures anew
         assert torch.equal(fast_generate(model, ids, mask, generation_config=greedy(), config=released),
                            eager_generate(model, ids, mask))

@@ -16,7 +16,6 @@ __all__ = ["DECODE_LOOPS", "FAST_GEN_ATTR", "FastGenerationConfig", "cache_lengt
 FAST_GEN_ATTR = "_grpo_patches_fast_generation"
 COMPILE_DEVICES = ("cuda", "xpu")
 DECODE_LOOPS = ("transformers", "graph")
-FUSED_ATTENTION = ("matmul", "sdpa", "flex")  # fused.py's attention kernels
 _warned: set[str] = set()
 _warn_lock = threading.Lock()
 
@@ -63,10 +62,6 @@ class FastGenerationConfig:
             attention without ``repeat_kv``) and, on CUDA, ``check_every`` steps per CUDA graph.
             Taken only where every projection is a plain linear map at sampling time (the merged
             buffer, or no adapter); otherwise, or with ``False``, the model's own forward runs.
-        fused_attention: the fused step's attention over the static cache: ``"matmul"``
-            (transformers' eager arithmetic: two matmuls and an fp32 softmax), ``"sdpa"`` (one
-            ``scaled_dot_product_attention`` kernel, transformers' default implementation) or
-            ``"flex"`` (FlexAttention's split-cache decoding kernel; compiled decoding only).
     """
 
     bucket: int = 64
@@ -87,7 +82,6 @@ class FastGenerationConfig:
     merge_lora: bool = True
     release_after_sampling: bool = True
     fused_decode: bool = True
-    fused_attention: str = "matmul"
 
     def __post_init__(self) -> None:
         for name in _BOOLS:
@@ -99,9 +93,6 @@ class FastGenerationConfig:
                                 f"{name}=True or {name}=False.")
         if not isinstance(self.decode_loop, str) or self.decode_loop not in DECODE_LOOPS:
             raise ValueError(f"FastGenerationConfig: decode_loop={self.decode_loop!r} must be one of {DECODE_LOOPS}.")
-        if not isinstance(self.fused_attention, str) or self.fused_attention not in FUSED_ATTENTION:
-            raise ValueError(f"FastGenerationConfig: fused_attention={self.fused_attention!r} must be one of "
-                             f"{FUSED_ATTENTION}.")
         for name in ("bucket", "check_every"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

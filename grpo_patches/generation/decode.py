@@ -280,7 +280,7 @@ def _graph_generate(model: nn.Module, *, pool: StaticCachePool, config: FastGene
 
         cache = StaticCache(config=model.config, max_cache_len=length)
     with torch.no_grad():
-        decoder, why = FusedDecoder.bind(model, config.fused_attention) if config.fused_decode else (None, "fused_decode=False")
+        decoder, why = FusedDecoder.bind(model) if config.fused_decode else (None, "fused_decode=False")
         stats.fused.last_reason = why
         if decoder is None:
             if config.fused_decode:

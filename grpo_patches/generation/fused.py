@@ -40,14 +40,13 @@ class DecoderShape:
     head_dim: int
     intermediate: int
     eps: float
-    attention: str = "matmul"  # FastGenerationConfig.fused_attention
 
 
 def _base(model: nn.Module) -> nn.Module:
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def fused_support(model: nn.Module, attention: str = "matmul") -> tuple[DecoderShape | None, str]:
+def fused_support(model: nn.Module) -> tuple[DecoderShape | None, str]:
     """``(shape, "")`` if the fused step computes exactly what this model's forward computes, else
     ``(None, why)`` (checked on the architecture; the weights are checked by :meth:`FusedDecoder.bind`)."""
     base = _base(model)
@@ -76,9 +75,7 @@ def fused_support(model: nn.Module, attention: str = "matmul") -> tuple[DecoderS
         return None, "the embeddings or the LM head are wrapped (e.g. modules_to_save)"
     heads, kv_heads = int(cfg.num_attention_heads), int(cfg.num_key_value_heads)
     head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
-    if attention == "flex" and head_dim < 16:  # inductor's FlexAttention template needs tl.dot's minimum
-        return None, f"fused_attention='flex' needs head_dim >= 16 (this model's is {head_dim})"
-    return DecoderShape(heads, kv_heads, head_dim, int(cfg.intermediate_size), float(cfg.rms_norm_eps), attention), ""
+    return DecoderShape(heads, kv_heads, head_dim, int(cfg.intermediate_size), float(cfg.rms_norm_eps)), ""
 
 
 def _lora_linear_type() -> type | None:
@@ -163,40 +160,6 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def _matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, bias: torch.Tensor,
-                      groups: int, scale: float) -> torch.Tensor:
-    """transformers' eager attention, operation for operation, with query head j reading K/V head
-    j // groups (``repeat_kv``'s pairing) without the copy: ``[B, kv, groups, D]``."""
-    qg = q.reshape(q.shape[0], k.shape[1], groups, q.shape[-1])
-    scores = torch.matmul(qg, k.transpose(-1, -2)) * scale + bias  # [B, kv, groups, L]
-    probs = scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(probs, v)
-
-
-def _sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, bias: torch.Tensor,
-                    groups: int, scale: float) -> torch.Tensor:
-    """One fused attention kernel (transformers' default ``attn_implementation="sdpa"``): the query
-    heads of one K/V head are that head's query rows, so no GQA support is needed and no K/V copy made."""
-    qg = q.reshape(q.shape[0], k.shape[1], groups, q.shape[-1])
-    return F.scaled_dot_product_attention(qg, k, v, attn_mask=visible[:, None, None, :], scale=scale)
-
-
-def _flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, bias: torch.Tensor,
-                    groups: int, scale: float) -> torch.Tensor:
-    """FlexAttention, whose compiled single-query path splits the cache across thread blocks (flash
-    decoding); the key mask is a score modification reading ``visible``."""
-    from torch.nn.attention.flex_attention import flex_attention
-
-    def masked(score, b, h, q_idx, kv_idx):
-        return torch.where(visible[b, kv_idx], score, -float("inf"))
-
-    out = flex_attention(q, k, v, score_mod=masked, scale=scale, enable_gqa=True)  # [B, heads, 1, D]
-    return out.reshape(q.shape[0], k.shape[1], groups, q.shape[-1])
-
-
-_ATTENTION = {"matmul": _matmul_attention, "sdpa": _sdpa_attention, "flex": _flex_attention}
-
-
 def fused_forward(shape: DecoderShape, embed: torch.Tensor, layers: list[tuple], norm: torch.Tensor,
                   head: torch.Tensor, rotary: nn.Module, keys: list[torch.Tensor], values: list[torch.Tensor],
                   tokens: torch.Tensor, position_ids: torch.Tensor, cache_position: torch.Tensor,
@@ -227,7 +190,11 @@ def fused_forward(shape: DecoderShape, embed: torch.Tensor, layers: list[tuple],
         k = k * cos + _rotate_half(k) * sin
         keys[i].index_copy_(2, cache_position, k)
         values[i].index_copy_(2, cache_position, v)
-        attn = _ATTENTION[shape.attention](q, keys[i], values[i], visible, bias, groups, scale).reshape(batch, 1, q_size)
+        # query head j reads K/V head j // groups (transformers' repeat_kv), without the copy
+        qg = q.reshape(batch, shape.kv_heads, groups, shape.head_dim)
+        scores = torch.matmul(qg, keys[i].transpose(-1, -2)) * scale + bias  # [B, kv, groups, L]
+        probs = scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype)
+        attn = torch.matmul(probs, values[i]).reshape(batch, 1, q_size)
         x = x + _linear(attn, o)
         h = _rms(x, ln2, shape.eps)
         gate, up = _linear(h, gate_up).split([shape.intermediate, shape.intermediate], dim=-1)
@@ -245,8 +212,8 @@ class FusedDecoder:
         self.fused_groups = fused_groups  # q/k/v and gate/up groups running as one matmul
 
     @classmethod
-    def bind(cls, model: nn.Module, attention: str = "matmul") -> tuple[FusedDecoder | None, str]:
-        shape, why = fused_support(model, attention)
+    def bind(cls, model: nn.Module) -> tuple[FusedDecoder | None, str]:
+        shape, why = fused_support(model)
         if shape is None:
             return None, why
         base = _base(model)
