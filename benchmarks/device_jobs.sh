@@ -10,3 +10,9 @@ job() {  # job NAME SECONDS CMD...
   ( log "start $name"; timeout --signal=TERM --kill-after=15 "$secs" bash -c "$*" > "$R/$name.log" 2>&1
     log "end $name rc=$?" ) &
 }
+trl_wheels() {  # the wheels the device image lacks (carried in .whl/sharded), then $R/versions.txt
+  python3 -m pip install -q --no-deps --no-index .whl/sharded/trl-*.whl .whl/sharded/datasets-*.whl \
+      .whl/sharded/dill-*.whl .whl/sharded/multiprocess-*.whl 2>&1 | tail -2
+  python3 -c "import torch, transformers, peft, trl; print(torch.__version__, transformers.__version__, \
+peft.__version__, trl.__version__)" | tee "$R/versions.txt"
+}

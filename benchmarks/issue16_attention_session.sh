@@ -22,10 +22,7 @@ R=${R:-benchmarks/results/2026-12-01-h200-issue16-attention}
 mkdir -p "$R"
 TAG=issue16a
 . benchmarks/device_jobs.sh
-python3 -m pip install -q --no-deps --no-index .whl/sharded/trl-*.whl .whl/sharded/datasets-*.whl \
-    .whl/sharded/dill-*.whl .whl/sharded/multiprocess-*.whl 2>&1 | tail -2
-python3 -c "import torch, transformers, peft, trl; print(torch.__version__, transformers.__version__, peft.__version__, trl.__version__)" \
-    | tee "$R/versions.txt"
+trl_wheels  # trl, datasets, dill, multiprocess from .whl/sharded; versions.txt
 probe() {  # probe VARIANT BATCH [TIMEOUT]: one 24 GiB probe at BATCH only, 1 + PROBE_STEPS-1 steps
   echo "python3 benchmarks/bench_grpo.py --find-max-batch --nproc 1 --mem-cap-gb 24 --policy 1.5b --grad-ckpt on \
     --variants $1 --start-batch $2 --max-batch-limit $2 --no-bisect --probe-steps ${PROBE_STEPS:-4} \
