@@ -54,6 +54,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_grpo import POLICIES as GRPO_POLICIES  # noqa: E402
+from bench_grpo import kernel_table  # noqa: E402
 
 from grpo_patches import generation  # noqa: E402
 from grpo_patches.generation import FastGenerationConfig, fast_generate  # noqa: E402
@@ -291,17 +292,6 @@ def bench_generate(name: str, args, device, dtype) -> dict:
 GRAPH_PATHS = ("graph", "graph_model", "graph_unmerged", "graph_kept")
 
 
-def _kernel_kind(name: str) -> str:
-    n = name.lower()
-    if any(k in n for k in ("gemm", "gemv", "cutlass", "sm90_xmma", "splitk", "cublas", "nvjet")):
-        return "matmul (cuBLAS)"
-    if any(k in n for k in ("fmha", "flash", "attention", "flex")):
-        return "attention kernel"
-    if n.startswith("triton"):
-        return "triton (inductor fused)"
-    return "other"
-
-
 def profile_decode(model, config, batch: int, length: int, vocab: int, new: int, device) -> dict:
     """Device time per decode step by kernel, from torch.profiler over one ``new``-token call with
     the CUDA graph off (the compiled step launched token by token, so every kernel is its own record;
@@ -324,22 +314,11 @@ def profile_decode(model, config, batch: int, length: int, vocab: int, new: int,
             sync(device)
     finally:
         fused_loop._graphs_on = graphs_on
-    kernels: dict[str, list] = {}
-    for e in prof.events():
-        if not on_cuda or e.device_type == torch.autograd.DeviceType.CUDA:
-            k = kernels.setdefault(e.name, [0, 0.0])
-            k[0] += 1
-            k[1] += e.device_time_total if on_cuda else e.self_cpu_time_total
-    # the prefill's kernels are in the record too: per-step figures divide by the decode steps, so
-    # they overstate the step a little (one prefill against `new - 1` steps)
-    top = sorted(kernels.items(), key=lambda kv: -kv[1][1])
-    kinds: dict[str, float] = {}
-    for name, (_, us) in top:
-        kinds[_kernel_kind(name)] = kinds.get(_kernel_kind(name), 0.0) + us / steps / 1e3
-    return {"steps": steps, "kernel_ms_per_step": sum(us for _, (_, us) in top) / steps / 1e3,
-            "launches_per_step": sum(n for _, (n, _) in top) / steps, "by_kind_ms_per_step": kinds,
-            "top": [{"kernel": name[:120], "per_step": n / steps, "ms_per_step": us / steps / 1e3}
-                    for name, (n, us) in top[:25]]}
+    if on_cuda:  # the prefill's kernels are in the record too: per-step figures overstate the step a little
+        return kernel_table(prof.events(), steps)
+    ops = prof.key_averages()  # CPU smoke runs: operators, not kernels
+    return {"steps": steps, "top": [{"op": o.key, "per_step": o.count / steps,
+                                     "ms_per_step": o.self_cpu_time_total / steps / 1e3} for o in ops][:25]}
 
 
 # --dropout -----------------------------------------------------------------------------------------

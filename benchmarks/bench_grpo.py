@@ -30,7 +30,13 @@ instance's methods.
 Output under ``--out`` (default ``benchmarks/results/<date>-<gpu>/``): ``results.jsonl`` (one
 line per variant and rank, appended), ``results.md`` (tables, ratios patched/stock, target checks)
 and ``step_time.png``, ``phases.png``, ``memory.png``, all regenerated from every line of
-``results.jsonl`` (and ``maxbatch.jsonl``) on each run.
+``results.jsonl`` (and ``maxbatch.jsonl``) on each run. Each record also holds the allocator's
+counters over the run (retries after a failed allocation, cudaMalloc / cudaFree counts).
+
+Profiles of one timed method (e.g. ``training_step``) into ``BENCH_PROFILE_DIR``: ``BENCH_PROFILE=name``
+its Python call tree (cProfile), ``BENCH_KERNELS=name`` its CUDA kernels by kind and by name (the
+last call's, ``kernels-<name>-<variant>-rank<r>.json``). Both slow the profiled calls: profile in a
+run of its own, not in the one whose step times are reported.
 """
 
 from __future__ import annotations
@@ -342,12 +348,27 @@ class StepTimer:
 
             profiler = cProfile.Profile()
 
+        import torch
+
+        kernels_to = (os.environ.get("BENCH_PROFILE_DIR") if os.environ.get("BENCH_KERNELS") == name
+                      and torch.cuda.is_available() else None)  # kernels: CUDA only
+
         def timed(*a, **kw):
             timer.sync()
             t0 = time.perf_counter()
             if profiler is not None:
                 profiler.enable()
-            out = original(*a, **kw)
+            if kernels_to:  # the device kernels of each call; the last call's table is kept
+                from torch.profiler import ProfilerActivity, profile
+
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    out = original(*a, **kw)
+                    timer.sync()
+                Path(kernels_to).mkdir(parents=True, exist_ok=True)
+                (Path(kernels_to) / f"kernels-{name}-{timer.label.replace('#', '_')}-rank{timer.rank}.json").write_text(
+                    json.dumps(kernel_table(prof.events(), 1), indent=2))
+            else:
+                out = original(*a, **kw)
             timer.sync()
             if profiler is not None:
                 import io
@@ -374,6 +395,44 @@ class StepTimer:
         self.wrap(trainer, "_generate_and_score_completions")
         self.wrap(trainer, "_prepare_inputs")
         self.wrap(trainer, "training_step")
+
+
+def kernel_kind(name: str) -> str:
+    """A CUDA kernel's kind, from its name (cuBLAS / cuDNN / ATen / inductor naming)."""
+    n = name.lower()
+    if any(k in n for k in ("gemm", "gemv", "cutlass", "xmma", "splitk", "cublas", "nvjet")):
+        return "matmul"
+    if any(k in n for k in ("fmha", "flash", "attention", "flex")):
+        return "attention"
+    if n.startswith("triton"):
+        return "triton (inductor fused)"
+    if "memcpy" in n or "memset" in n or "copy" in n or "cat" in n:
+        return "copy / cat"
+    if any(k in n for k in ("reduce", "softmax", "norm", "sum", "max", "argmax")):
+        return "reduction"
+    if "elementwise" in n:
+        return "elementwise"
+    return "other"
+
+
+def kernel_table(events, steps: int, top: int = 25) -> dict:
+    """Device time by kernel and kind from torch.profiler events (CUDA ones only), per ``steps``."""
+    import torch
+
+    kernels: dict[str, list] = {}
+    for e in events:
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            k = kernels.setdefault(e.name, [0, 0.0])
+            k[0] += 1
+            k[1] += e.device_time_total
+    ranked = sorted(kernels.items(), key=lambda kv: -kv[1][1])
+    kinds: dict[str, float] = {}
+    for name, (_, us) in ranked:
+        kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + us / steps / 1e3
+    return {"steps": steps, "kernel_ms_per_step": sum(us for _, (_, us) in ranked) / steps / 1e3,
+            "launches_per_step": sum(n for _, (n, _) in ranked) / steps, "by_kind_ms_per_step": kinds,
+            "top": [{"kernel": name[:120], "per_step": n / steps, "ms_per_step": us / steps / 1e3}
+                    for name, (n, us) in ranked[:top]]}
 
 
 def derive(step: dict[str, float]) -> dict[str, float]:
