@@ -359,7 +359,8 @@ def bench(args, dev: str = "cuda") -> None:
             entry["candidates_graph_ms"] = cands
             res["shapes"].setdefault(name, {"N": N, "K": K, "bias": has_bias, "per_step": per_step,
                                             "weight_gb": gb, "weight_copies": copies})[f"M{M}"] = entry
-            print(f"done {name} M={M}", flush=True)
+            print(f"done {name} M={M}: " + ", ".join(f"{meth} {e['graph_ms'] * 1e3:.2f} us ({e['graph_gbps']:.0f} GB/s)"
+                                                     for meth, e in entry.items() if "graph_ms" in e), flush=True)
         del ws
         torch.cuda.empty_cache()
     print("\n| shape | M | method | graph ms/call | GB/s (graph) | eager ms/call | speedup vs cuBLAS |")
