@@ -611,7 +611,6 @@ def main(argv=None) -> int:
                            ("x floor", "graph_model_x_floor"),
                            ("graph, fused step (merged) ms/step", "graph_ms_per_decode_step"), ("x floor", "graph_x_floor"),
                            ("graph kept ms/step", "graph_kept_ms_per_decode_step"),
-
                            ("graph speed-up vs eager", "speedup_graph"),
                            ("first graph call s (compile)", "graph_first_call_s"),
                            ("graph recompiles after warm-up", "graph_recompiles_after_warmup"),
