@@ -629,10 +629,10 @@ class FastGenerationMemory:
     def of(cls, option: Any, *, prompt: int, completion: int, params: ParamCount, weight_bytes: int,
            quantized: bool = False) -> FastGenerationMemory:
         """``quantized``: a bitsandbytes base, whose adapters are never merged (no buffer)."""
-        from grpo_patches.generation import FastGenerationConfig
+        from grpo_patches.generation import FastGenerationConfig, cache_length
 
         config = FastGenerationConfig.coerce(option) or FastGenerationConfig()
-        length = -(-max(prompt, config.max_prompt_length or 0) // config.bucket) * config.bucket + completion
+        length = cache_length(prompt, completion, config)  # the length the pool will allocate
         merged = params.adapted * weight_bytes if config.merge_lora and not quantized else 0
         return cls(length, merged, config.release_after_sampling)
 
