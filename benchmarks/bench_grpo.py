@@ -90,6 +90,9 @@ VARIANTS: dict[str, tuple[dict[str, Any] | None, dict[str, Any]]] = {
     # merged buffer, but caches and buffer kept through training (no re-allocation between rounds)
     "patched-graph-kept": ({"reward_placement": "local", "fast_generation": {
         "decode_loop": "graph", "release_after_sampling": False}}, {}),
+    # + LoRA layers without PEFT's fp32 copy of their inputs under autocast (grpo_patches/lean_lora.py)
+    "patched-graph-lean": ({"reward_placement": "local", "fast_generation": {"decode_loop": "graph"},
+                            "lean_lora": True}, {}),
 }
 #: (variant, baseline, target): the patch's overhead where both sides generate the same way.
 OVERHEAD_PAIRS = [("patched-graph", "stock-graph", 1.01)]

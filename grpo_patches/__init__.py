@@ -78,6 +78,7 @@ def apply(
     reward_timeout: float = 600.0,
     strict: bool = True,
     fast_generation: bool | dict | Any = False,
+    lean_lora: bool = False,
     targets: tuple[str, ...] = TARGETS,
 ) -> bool:
     """Patch ``trl.GRPOTrainer`` in place; returns whether a patch is active afterwards.
@@ -96,6 +97,10 @@ def apply(
         fast_generation: compiled decoding under a static KV cache with dropout off while
             sampling (``True``, a dict of :class:`~grpo_patches.generation.FastGenerationConfig`
             fields, or such a config); on CPU it warns once and samples eagerly.
+        lean_lora: under bf16 / fp16 autocast, the policy's LoRA layers run their dropout and
+            adapter on the input as it is, skipping PEFT's fp32 copy (autocast rounds the adapter's
+            input back anyway, so values are unchanged; dropout masks are drawn by another kernel).
+            Saves memory traffic and transient memory in every training forward and backward.
         targets: which trainers to patch: ``"trl"`` (``trl.GRPOTrainer``) and/or ``"vendored"``
             (the vendored DeepSeekMath-style trainer). Both by default, and then only if the
             installed TRL is patched; ``("vendored",)`` patches the vendored trainer alone and
@@ -107,7 +112,7 @@ def apply(
     from .generation import FastGenerationConfig
 
     opts = _options.PatchOptions(reward_placement, reward_chunk_size, reward_timeout, strict,
-                                 FastGenerationConfig.coerce(fast_generation))
+                                 FastGenerationConfig.coerce(fast_generation), lean_lora)
     chosen = tuple(targets) if isinstance(targets, list | tuple) else (targets,)
     if not chosen or any(t not in TARGETS for t in chosen):
         raise ValueError(f"grpo_patches.apply: targets={targets!r}; expected a non-empty tuple of {TARGETS}.")

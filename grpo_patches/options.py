@@ -20,6 +20,7 @@ class PatchOptions:
     reward_timeout: float = 600.0
     strict: bool = True
     fast_generation: FastGenerationConfig | None = None
+    lean_lora: bool = False
 
     def __post_init__(self) -> None:
         if self.reward_placement not in PLACEMENTS:
@@ -45,6 +46,11 @@ class PatchOptions:
             raise TypeError(
                 f"grpo_patches.apply: strict={self.strict!r} must be True (refuse an untested TRL release) or "
                 f"False (warn and patch nothing)."
+            )
+        if not isinstance(self.lean_lora, bool):
+            raise TypeError(
+                f"grpo_patches.apply: lean_lora={self.lean_lora!r} must be True (LoRA layers skip PEFT's fp32 "
+                f"copy of their input under autocast) or False (PEFT's forward as it is)."
             )
 
     @property

@@ -13,6 +13,8 @@ The same mechanisms as TRL's adapters, on the vendored trainer's four points:
   ``num_generations`` and ``group_ids`` given to reward functions that accept them.
 * ``sample``: fast generation when ``apply(fast_generation=...)`` asks for it.
 
+``apply(lean_lora=True)`` hooks the policy's LoRA layers once the trainer is built.
+
 The trainer's advantage code (all-gather, per-group normalization) is its own, untouched: with
 groups rank-local it gives the same advantages as a per-rank normalization would.
 """
@@ -29,6 +31,7 @@ from .. import options as _options
 from ..collectives import FailFastGroup
 from ..generation import FAST_GEN_ATTR, FastGenerationState, fast_generate
 from ..grouping import GroupShapeError, RankLocalGroupSampler, check_group_shape, nearest_valid_settings
+from ..lean_lora import enable_lean_lora
 from ..rewards import RewardBatch, Scored, compute_rewards, reward_column, validate_chunk_size
 from . import Adapter
 from .trl_glue import STATE_ATTR, TrainerPatchState, main_only_reward_funcs
@@ -81,6 +84,8 @@ def wrap_init(wrapped, instance, args, kwargs):
     setattr(instance, STATE_ATTR, TrainerPatchState(opts, FailFastGroup(opts.collective_timeout)))
     if opts.fast_generation is not None:
         setattr(instance, FAST_GEN_ATTR, FastGenerationState(opts.fast_generation))
+    if opts.lean_lora:
+        enable_lean_lora(instance.model)
 
 
 def wrap_create_groups(wrapped, instance, args, kwargs):

@@ -19,6 +19,7 @@ from torch import nn
 
 from ..collectives import FailFastGroup
 from ..grouping import RankLocalGroupSampler, check_group_shape, epoch_of_state
+from ..lean_lora import enable_lean_lora
 from ..liveness import watching
 from ..options import PatchOptions, active
 from ..rewards import RewardBatch, Scored, chunk_slices, compute_rewards, reward_column, validate_chunk_size
@@ -141,6 +142,8 @@ def init_wrapper(shape_of: Callable[[Any], GroupShape], *,
         setattr(instance, STATE_ATTR, TrainerPatchState(options, FailFastGroup(options.collective_timeout)))
         if options.fast_generation is not None:
             enable_fast_generation(instance, options.fast_generation)
+        if options.lean_lora:
+            enable_lean_lora(instance.model)
 
     return _init
 

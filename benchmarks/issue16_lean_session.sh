@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Issue 16, fourth session: what apply(lean_lora=True) buys in the training phase (the kernel profile of
+# the third session's kernels call put PEFT's fp32 input copies and fp32 dropout at ~0.6 s of the
+# 2.3 s training phase at batch 192). One H200; carry ".whl" (trl, datasets, dill, multiprocess).
+#
+#   bash benchmarks/issue16_lean_session.sh 1   # GPU tests; 24 GiB probes: kit vs kit + lean at 192, lean at 224 and 160
+#   bash benchmarks/issue16_lean_session.sh 2   # 1-GPU GRPO step, 1.5B batch 8: stock, kit, kit + lean (one launch)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+part=${1:?part 1 or 2}
+R=${R:-benchmarks/results/$(date +%F)-h200-issue16-lean}
+mkdir -p "$R"
+TAG=issue16l
+. benchmarks/device_jobs.sh
+trl_wheels
+probe() {  # probe VARIANT BATCH STEPS TIMEOUT: one 24 GiB probe at BATCH only, a fresh launch
+  echo "python3 benchmarks/bench_grpo.py --find-max-batch --nproc 1 --mem-cap-gb 24 --policy 1.5b --grad-ckpt on \
+    --variants $1 --start-batch $2 --max-batch-limit $2 --no-bisect --probe-steps $3 --probe-timeout $4 \
+    --out $R/24gb-1.5b"
+}
+case $part in
+1)
+  job gpu-tests 90 "python3 -m pytest -q -p no:cacheprovider tests/test_lean_lora.py"; wait
+  job 24gb 470 "$(probe patched-graph 192 5 105); $(probe patched-graph-lean 192 5 105); \
+    $(probe patched-graph-lean 224 4 125); $(probe patched-graph-lean 160 5 95)"
+  ;;
+2)
+  job grpo-1.5b 290 "GPUS=1 POLICY=1.5b VARIANTS=stock,patched-graph,patched-graph-lean STEPS=3 BUDGET_S=285 \
+    BENCH_OUT=$R/1gpu-1.5b bash benchmarks/run_bench.sh"
+  ;;
+*) echo "part must be 1 or 2" >&2; exit 2 ;;
+esac
+wait
+log "part $part done"
+for f in "$R"/*.log; do echo "== $f"; tail -25 "$f"; done
+if [ -n "${OUT:-}" ]; then tar czf "$OUT/lean-$part.tar.gz" "$R"; fi
