@@ -4,7 +4,8 @@
 # 2.3 s training phase at batch 192). One H200; carry ".whl" (trl, datasets, dill, multiprocess).
 #
 #   bash benchmarks/issue16_lean_session.sh 1   # GPU tests; 24 GiB probes: kit vs kit + lean at 192, lean at 224 and 160
-#   bash benchmarks/issue16_lean_session.sh 2   # 1-GPU GRPO step, 1.5B batch 8: stock, kit, kit + lean (one launch)
+#   bash benchmarks/issue16_lean_session.sh 2   # 1-GPU GRPO step, 1.5B batch 8: stock, kit, kit + lean (one launch);
+#                                               # the training step's kernels by kind with lean_lora at 192, 24 GiB
 set -uo pipefail
 cd "$(dirname "$0")/.."
 part=${1:?part 1 or 2}
@@ -26,7 +27,8 @@ case $part in
   ;;
 2)
   job grpo-1.5b 290 "GPUS=1 POLICY=1.5b VARIANTS=stock,patched-graph,patched-graph-lean STEPS=3 BUDGET_S=285 \
-    BENCH_OUT=$R/1gpu-1.5b bash benchmarks/run_bench.sh"
+    BENCH_OUT=$R/1gpu-1.5b bash benchmarks/run_bench.sh"; wait
+  job train-kernels 150 "BENCH_KERNELS=training_step BENCH_PROFILE_DIR=$R/train-kernels-lean $(probe patched-graph-lean 192 3 140 | sed 's#24gb-1.5b#24gb-profile#')"
   ;;
 *) echo "part must be 1 or 2" >&2; exit 2 ;;
 esac
