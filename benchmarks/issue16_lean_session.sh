@@ -6,9 +6,10 @@
 #   bash benchmarks/issue16_lean_session.sh 1   # GPU tests; 24 GiB probes: kit vs kit + lean at 192, lean at 224 and 160
 #   bash benchmarks/issue16_lean_session.sh 2   # 1-GPU GRPO step, 1.5B batch 8: stock, kit, kit + lean (one launch);
 #                                               # the training step's kernels by kind with lean_lora at 192, 24 GiB
+#   bash benchmarks/issue16_lean_session.sh 3   # 24 GiB probes: stock at 192 and 208, the lean kit at 240
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?part 1 or 2}
+part=${1:?part 1, 2 or 3}
 R=${R:-benchmarks/results/$(date +%F)-h200-issue16-lean}
 mkdir -p "$R"
 TAG=issue16l
@@ -30,7 +31,11 @@ case $part in
     BENCH_OUT=$R/1gpu-1.5b bash benchmarks/run_bench.sh"; wait
   job train-kernels 150 "BENCH_KERNELS=training_step BENCH_PROFILE_DIR=$R/train-kernels-lean $(probe patched-graph-lean 192 3 140 | sed 's#24gb-1.5b#24gb-profile#')"
   ;;
-*) echo "part must be 1 or 2" >&2; exit 2 ;;
+3)  # stock beside the lean kit under the same cap, in one call: stock at its largest batch and one above it,
+    # the lean kit one step above its 224
+  job 24gb-stock 420 "$(probe stock 192 5 160); $(probe stock 208 3 110); $(probe patched-graph-lean 240 4 130)"
+  ;;
+*) echo "part must be 1, 2 or 3" >&2; exit 2 ;;
 esac
 wait
 log "part $part done"
