@@ -7,9 +7,10 @@
 #   bash benchmarks/issue16_lean_session.sh 2   # 1-GPU GRPO step, 1.5B batch 8: stock, kit, kit + lean (one launch);
 #                                               # the training step's kernels by kind with lean_lora at 192, 24 GiB
 #   bash benchmarks/issue16_lean_session.sh 3   # 24 GiB probes: stock at 192 and 208, the lean kit at 240
+#   bash benchmarks/issue16_lean_session.sh 4   # 24 GiB probes: the lean kit at 256 and 288
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?part 1, 2 or 3}
+part=${1:?part 1 to 4}
 R=${R:-benchmarks/results/$(date +%F)-h200-issue16-lean}
 mkdir -p "$R"
 TAG=issue16l
@@ -35,7 +36,10 @@ case $part in
     # the lean kit one step above its 224
   job 24gb-stock 420 "$(probe stock 192 5 160); $(probe stock 208 3 110); $(probe patched-graph-lean 240 4 130)"
   ;;
-*) echo "part must be 1, 2 or 3" >&2; exit 2 ;;
+4)  # where the lean kit stops fitting
+  job 24gb-lean-max 260 "$(probe patched-graph-lean 256 4 130); $(probe patched-graph-lean 288 3 120)"
+  ;;
+*) echo "part must be 1 to 4" >&2; exit 2 ;;
 esac
 wait
 log "part $part done"
