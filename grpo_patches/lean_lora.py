@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["enable_lean_lora", "lean_layers"]
+__all__ = ["check_supported", "enable_lean_lora", "lean_layers"]
 
 _HOOKED = "_grpo_lean_lora"  # on each hooked layer (a flag, not the handles: the model stays deep-copyable)
 _FLIPPED = "_grpo_lean_lora_flipped"  # set while a call runs with PEFT's cast switched off by the kit
@@ -40,6 +40,21 @@ def _lora_linear() -> type | None:
     except Exception:  # pragma: no cover - no PEFT: no LoRA layers to find
         return None
     return Linear
+
+
+def check_supported() -> None:
+    """Refuse ``lean_lora=True`` where PEFT has no switch for its input cast (before PEFT 0.15 the
+    LoRA layer casts unconditionally, so the option would silently change nothing)."""
+    linear = _lora_linear()
+    if linear is None or not hasattr(linear, "_cast_input_dtype"):
+        import importlib.metadata as md
+
+        try:
+            installed = md.version("peft")
+        except md.PackageNotFoundError:
+            installed = "not installed"
+        raise ValueError(f"grpo_patches.apply: lean_lora=True needs peft >= 0.15 (its LoRA layers' "
+                         f"cast_input_dtype_enabled switch); peft is {installed}. Upgrade peft or drop lean_lora.")
 
 
 def _castless(module: nn.Module, x: Any, kwargs: dict) -> bool:
@@ -54,11 +69,12 @@ def _castless(module: nn.Module, x: Any, kwargs: dict) -> bool:
         return False
     if module.disable_adapters or module.merged or not getattr(module, "cast_input_dtype_enabled", True):
         return False
-    variants = getattr(module, "lora_variant", {}) or {}
+    variants = getattr(module, "lora_variant", {}) or {}  # DoRA & co. (peft >= 0.16)
+    dora = getattr(module, "use_dora", {}) or {}  # DoRA (peft 0.15)
     for name in module.active_adapters:
         if name not in module.lora_A:
             continue
-        if name in variants or module.lora_A[name].weight.dtype != torch.float32:
+        if name in variants or dora.get(name) or module.lora_A[name].weight.dtype != torch.float32:
             return False
         if type(module.lora_dropout[name]) not in (nn.Dropout, nn.Identity):
             return False

@@ -52,6 +52,10 @@ class PatchOptions:
                 f"grpo_patches.apply: lean_lora={self.lean_lora!r} must be True (LoRA layers skip PEFT's fp32 "
                 f"copy of their input under autocast) or False (PEFT's forward as it is)."
             )
+        if self.lean_lora:
+            from .lean_lora import check_supported
+
+            check_supported()
 
     @property
     def collective_timeout(self) -> float:

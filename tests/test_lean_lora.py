@@ -215,3 +215,15 @@ def test_vendored_trainer_hooks_its_policy():
     finally:
         grpo_patches.revert()
     assert len(lean_layers(trainer.model)) == 2 * len(PROJ)
+
+
+def test_a_peft_without_the_cast_switch_is_refused_at_apply(monkeypatch):
+    import grpo_patches.lean_lora as lean
+
+    class OldLinear:  # peft < 0.15: the LoRA layer casts its input unconditionally, no switch to turn
+        pass
+
+    monkeypatch.setattr(lean, "_lora_linear", lambda: OldLinear)
+    with pytest.raises(ValueError, match=r"lean_lora=True needs peft >= 0\.15.*peft is \d"):
+        grpo_patches.apply(lean_lora=True)
+    assert not grpo_patches.is_applied()

@@ -68,7 +68,7 @@ def enable_kit(**options: Any) -> None:
         missing = sorted(name for name in {SWITCH, *options} if name not in fields)
         if missing:
             raise TypeError(f"fork mode: apply() option(s) {missing} have no GRPOConfig field in this patched "
-                            f"TRL; the patch offers {sorted(fields & {SWITCH, 'reward_placement', 'reward_chunk_size', 'reward_timeout', 'fast_generation'})}")
+                            f"TRL; the patch offers {sorted(fields & {SWITCH, 'reward_placement', 'reward_chunk_size', 'reward_timeout', 'fast_generation', 'lean_lora'})}")
         _fork_settings = {SWITCH: True, **options}
     else:
         import grpo_patches
