@@ -60,6 +60,8 @@ def _add_doctor(sub: Any) -> None:
                    help="how the trainer computes log-probs: TRL's fused LM head or full logits (default: detect)")
     p.add_argument("--fast-generation", action="store_true",
                    help="the run uses apply(fast_generation=True): its static KV cache and merged-LoRA buffer are counted while sampling")
+    p.add_argument("--lean-lora", action="store_true",
+                   help="the run uses apply(lean_lora=True): no fp32 copy of the LoRA layers' inputs in the training forward")
     p.add_argument("--sharding", choices=("ddp", "zero2", "fsdp2", "zero3"), default="ddp",
                    help="how the frozen base is placed over the ranks (default ddp: a full copy per rank)")
     p.add_argument("--quantization", choices=("nf4", "int8"), help="a bitsandbytes base (QLoRA); nf4 uses double quantization")
@@ -95,7 +97,8 @@ def _doctor(args: argparse.Namespace) -> int:
         result = plan(args.model, grpo_config=settings or None, lora_config=lora, world_size=args.world_size,
                       gpu_memory_gb=args.gpu_memory_gb, reward_models=rewards, dataset_size=args.dataset_size,
                       prompt_length=args.prompt_length, dtype=args.dtype, logits_mode=args.logits_mode,
-                      fast_generation=args.fast_generation, deepspeed_config=args.deepspeed_config,
+                      fast_generation=args.fast_generation, lean_lora=args.lean_lora,
+                      deepspeed_config=args.deepspeed_config,
                       cost_model=CostModel(args.link_gbps, args.host_gbps, args.hbm_gbps, args.tflops))
         print(result)
         return 0 if result.best is not None else 1
@@ -114,6 +117,7 @@ def _doctor(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             logits_mode=args.logits_mode,
             fast_generation=args.fast_generation,
+            lean_lora=args.lean_lora,
             sharding=args.sharding,
             quantization=args.quantization,
             double_quant=args.double_quant,

@@ -171,6 +171,45 @@ def test_merged_buffer_bytes_equal_the_buffer_measured_on_the_h200():
     assert qv.adapted == 28 * (1536 * 1536 + 256 * 1536)
 
 
+def test_lean_lora_drops_the_fp32_input_copy_where_stock_peft_makes_one():
+    from peft import LoraConfig
+
+    arch = pf._arch(pf.load_model_config("qwen2.5-0.5b"))
+    tokens = 4 * (64 + 128)
+    stock = quiet_preflight("qwen2.5-0.5b", grpo_config=SMALL, prompt_length=64).ranks[0]
+    lean = quiet_preflight("qwen2.5-0.5b", grpo_config=SMALL, prompt_length=64, lean_lora=True).ranks[0]
+    # the pinned LoRA adapts down_proj (dropout 0.05): its input's fp32 copy and fp32 dropout output
+    assert stock.components["activations"] - lean.components["activations"] == tokens * arch.intermediate * 8
+    assert {k: v for k, v in lean.components.items() if k != "activations"} == \
+        {k: v for k, v in stock.components.items() if k != "activations"}
+    no_dropout = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+    a, b = (quiet_preflight("qwen2.5-0.5b", grpo_config=SMALL, prompt_length=64, lora_config=no_dropout,
+                            lean_lora=flag).ranks[0].components["activations"] for flag in (False, True))
+    assert a - b == tokens * arch.hidden * 4, "no dropout: the copy alone, of the widest adapted input"
+    # 16-bit adapters (a 4-bit base: TRL casts its adapter to bf16) and fp32 autocast: stock makes no copy
+    for kw in (dict(quantization="nf4"), dict(grpo_config={**SMALL, "bf16": False})):
+        a, b = (quiet_preflight("qwen2.5-0.5b", prompt_length=64, lean_lora=flag, **{"grpo_config": SMALL, **kw})
+                .ranks[0].components["activations"] for flag in (False, True))
+        assert a == b, kw
+
+
+def test_lean_lora_is_offered_as_a_fix_and_predicts_the_h200_peaks():
+    # H200, 1.5B policy, LoRA dropout 0.05, 24 GiB cap, fast generation, 8 x 256 tokens, ~80-token prompts
+    # (benchmarks/results/2026-12-01-h200-issue16-lean/): stock's largest batch 192 (208 out of memory);
+    # with lean_lora peak allocated 17.29 / 19.46 GiB at 192 / 224 (the stock kit's: 20.98 at 192)
+    config = dict(SMALL, max_completion_length=256)
+    def run(batch, lean):
+        return quiet_preflight("qwen2-1.5b", grpo_config=dict(config, per_device_train_batch_size=batch),
+                               prompt_length=80, gpu_memory_gb=24, fast_generation=True, lean_lora=lean,
+                               reward_models=["qwen2.5-0.5b"], raise_on_error=False)
+    assert run(192, False).ok and not run(208, False).ok
+    assert "apply(lean_lora=True)" in run(208, False).errors[0] and "(fits)" in run(208, False).errors[0]
+    for batch, measured in ((192, 17.29), (224, 19.46)):
+        predicted = run(batch, True).peak / GiB
+        assert measured <= predicted <= measured * 1.05, (batch, predicted)
+    assert run(192, False).peak / GiB == pytest.approx(20.98, rel=0.05)
+
+
 def test_checkpointing_fp32_weights_and_logits_mode_change_the_right_rows():
     on = quiet_preflight("qwen2.5-0.5b", grpo_config=SMALL)
     off = quiet_preflight("qwen2.5-0.5b", grpo_config=dict(SMALL, gradient_checkpointing=False))
