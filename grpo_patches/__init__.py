@@ -17,6 +17,8 @@ What the patch does to each trainer built afterwards:
   back), with ``num_generations`` and ``group_ids`` given to reward functions that accept them;
 * turns an exception, a wrong-length or non-finite reward, or a reward call running past
   ``reward_timeout`` on any rank into an error on every rank, naming the function and the rank.
+* on request, samples through compiled decoding (``fast_generation``) and lets the policy's LoRA
+  layers skip PEFT's fp32 copy of their inputs under autocast (``lean_lora``).
 
 Besides the patch: :mod:`grpo_patches.defaults` (pinned LoRA / GRPO settings as real PEFT / TRL
 config objects), :func:`preflight` (per-rank memory estimate on the meta device, before a step

@@ -205,6 +205,17 @@ def test_i3_default_settings_give_stocks_samples_and_advantages(ranks):
 # --- I4 -----------------------------------------------------------------------------------------
 
 @needs_adapter
+def test_lean_lora_hooks_every_lora_layer_or_is_refused_on_an_old_peft(ranks):
+    for r in ranks:
+        lean = r.data["lean"]
+        if Version(lean["peft"]) >= Version("0.15"):
+            assert "refusal" not in lean, lean
+            assert lean["hooked"] == lean["lora_layers"] == 14, lean  # 2 layers x 7 projections
+        else:  # the LoRA layer casts unconditionally there: the option would change nothing
+            assert "lean_lora=True needs peft >= 0.15" in lean["refusal"], lean
+
+
+@needs_adapter
 def test_i4_chunks_smaller_than_a_ranks_batch(ranks):
     world = len(ranks)
     for r in ranks:  # upstream: one call per rank holding the rank's whole batch

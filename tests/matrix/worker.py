@@ -408,6 +408,9 @@ def scenario(data: dict, save) -> None:
     kit.enable_kit()
     data["default"] = observe(build(scoring_funcs(), **modes[0]))
     save()
+    # lean_lora: every LoRA layer of the policy hooked where peft has the cast switch (>= 0.15), else refused
+    data["lean"] = lean_lora_check()
+    save()
     # I2 patched
     data["patched_epochs"] = train_epochs(6, 3)
     save()
@@ -415,6 +418,24 @@ def scenario(data: dict, save) -> None:
     data["i6"] = i6_checks(before)
     kit.disable_kit()
     data["wrapt_imported"] = "wrapt" in sys.modules  # fork mode: the patched fork must not need it
+
+
+def lean_lora_check() -> dict:
+    import importlib.metadata
+
+    out: dict = {"peft": importlib.metadata.version("peft")}
+    try:
+        kit.enable_kit(lean_lora=True)  # monkeypatch mode: refused here; fork mode: when the trainer is built
+        trainer = build()
+    except ValueError as exc:
+        out["refusal"] = str(exc)
+        return out
+    finally:
+        kit.enable_kit()
+    layers = [m for m in trainer.model.modules() if type(m).__name__ == "Linear" and hasattr(m, "lora_A")]
+    out["lora_layers"] = len(layers)
+    out["hooked"] = sum(bool(getattr(m, "_grpo_lean_lora", False)) for m in layers)
+    return out
 
 
 def unequal_counts(trainer) -> dict:
