@@ -55,6 +55,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gpu-memory-gb", type=float, default=None, help="preflight: GiB per GPU (default: detected)")
     p.add_argument("--report-to", default="tensorboard")
     p.add_argument("--fast-generation", action="store_true", help="compiled decoding (GPU, TRL >= 0.29)")
+    p.add_argument("--lean-lora", action="store_true",
+                   help="LoRA layers without PEFT's fp32 input copy under bf16 autocast (less memory and time)")
     return p.parse_args(argv)
 
 
@@ -176,14 +178,16 @@ def main(argv: list[str] | None = None) -> int:
     report = grpo_patches.preflight(model_config, grpo_config=config, lora_config=lora, world_size=world_size,
                                     gpu_memory_gb=gpu_gb, reward_placement=args.placement,
                                     reward_models=[accuracy_reward, format_reward], dataset_size=len(dataset),
-                                    fast_generation=args.fast_generation, raise_on_error=False, warn=False)
+                                    fast_generation=args.fast_generation, lean_lora=args.lean_lora,
+                                    raise_on_error=False, warn=False)
     is_main = int(os.environ.get("RANK", "0")) == 0
     if is_main:
         print(report, flush=True)
     if report.errors:
         return 1
 
-    grpo_patches.apply(reward_placement=args.placement, fast_generation=args.fast_generation)
+    grpo_patches.apply(reward_placement=args.placement, fast_generation=args.fast_generation,
+                       lean_lora=args.lean_lora)
     trainer = GRPOTrainer(model=load_model(), reward_funcs=[accuracy_reward, format_reward], args=config,
                           train_dataset=dataset, processing_class=tokenizer, peft_config=lora)
     grpo_patches.GRPOMonitorCallback().attach(trainer)
