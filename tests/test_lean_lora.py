@@ -197,6 +197,7 @@ def test_trl_trainer_with_lean_lora_trains_to_stocks_bits():
     (loss_s, w_s, seen_s), (loss_l, w_l, seen_l) = runs["stock"], runs["lean"]
     assert seen_s.count(torch.bfloat16) == 0 < seen_l.count(torch.bfloat16), "stock copies every bf16 input"
     assert len(loss_s) == 2 and loss_l == loss_s
+    assert any(w.abs().sum() > 0 for n, w in w_s.items() if "lora_B" in n), "the steps trained (B starts at 0)"
     for name, weight in w_s.items():
         assert torch.equal(w_l[name], weight), name
 
