@@ -46,9 +46,11 @@ def launch(config: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("name", ["ddp", "fsdp2"])
 def test_example_runs_under_the_cpu_configs(name, tmp_path):
     out = tmp_path / "run"
-    done = launch(cpu_copy(name, tmp_path), out, "--max-steps", "2")
+    lean = ("--lean-lora",) if name == "fsdp2" else ()  # the option's hooks on layers FSDP2 shards later
+    done = launch(cpu_copy(name, tmp_path), out, "--max-steps", "2", *lean)
     log = done.stdout + done.stderr
     assert done.returncode == 0, log[-4000:]
+    assert "no LoRA Linear layer" not in log, "lean_lora must find the policy's LoRA layers (its warning otherwise)"
     assert "world_size=2" in log  # the preflight ran, on the launched world
     assert "done, 2 steps" in log
     assert (out / "checkpoint-2").is_dir() and (out / "final" / "adapter_config.json").is_file()
