@@ -29,8 +29,10 @@ if "--check" in sys.argv and not torch.cuda.is_available():
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+from gemv_prototype import graph_ms  # noqa: E402  (benchmarks/ is this script's sys.path[0])
 
 GROUP_PAD = 16
+ITERS = 200  # graph replays per timing
 
 
 @triton.jit
@@ -130,39 +132,16 @@ def check(device: str) -> int:
     return failures
 
 
-def _graph_ms(calls, iters=200):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            for c in calls:
-                c()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
-    graph.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(iters):
-        graph.replay()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) / iters
-
-
 def bench(out: str | None) -> None:
     results = []
     compiled = torch.compile(reference, dynamic=False)
     for batch, length in ((8, 384), (8, 640), (192, 384)):
         layers = [inputs(batch, 12, 2, 128, length, length // 2, torch.bfloat16, "cuda", seed=i) for i in range(28)]
         row = {"batch": batch, "cache_slots": length}
-        row["inductor_ms_28"] = _graph_ms([lambda a=a: compiled(*a) for a in layers])
+        row["inductor_ms_28"] = graph_ms([lambda a=a: compiled(*a) for a in layers], ITERS)
         for block, warps in ((64, 4), (128, 4), (64, 8)):
-            row[f"triton_b{block}_w{warps}_ms_28"] = _graph_ms(
-                [lambda a=a, bl=block, w=warps: decode_attention(*a, block_l=bl, num_warps=w) for a in layers])
+            row[f"triton_b{block}_w{warps}_ms_28"] = graph_ms(
+                [lambda a=a, bl=block, w=warps: decode_attention(*a, block_l=bl, num_warps=w) for a in layers], ITERS)
         best = min(v for k, v in row.items() if k.startswith("triton"))
         row["saving_ms_per_step"] = row["inductor_ms_28"] - best
         print(json.dumps(row), flush=True)

@@ -224,7 +224,7 @@ def check(device: str) -> int:
 
 
 # ---------------------------------------------------------------- --bench
-def _graph_ms(calls, iters):
+def graph_ms(calls, iters):
     """Capture all calls in one CUDA graph, replay `iters` times, return ms per replay."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -316,7 +316,7 @@ def bench(args, dev: str = "cuda") -> None:
                 best = None
                 for cfg in cfgs:
                     try:
-                        t = _graph_ms(calls(lambda a, w, b, c=cfg, r=reduce: skinny_linear(a, w, b, c, r)),
+                        t = graph_ms(calls(lambda a, w, b, c=cfg, r=reduce: skinny_linear(a, w, b, c, r)),
                                       args.iters) / reps
                     except Exception as e:  # e.g. out of shared memory for a large tile on this GPU
                         cands[f"{reduce}:{tuple(cfg)}"] = f"{type(e).__name__}: {str(e)[:200]}"
@@ -344,7 +344,7 @@ def bench(args, dev: str = "cuda") -> None:
                         if f is None:  # fresh dynamo cache: the variants share _linear's code object
                             torch._dynamo.reset()
                             f = torch.compile(_linear, mode="max-autotune-no-cudagraphs", dynamic=False)
-                        g_ms = _graph_ms(calls(f), args.iters) / reps
+                        g_ms = graph_ms(calls(f), args.iters) / reps
                         e_ms = _eager_ms(calls(f), max(1, args.iters // 4)) / reps
                 except Exception as e:  # an inductor variant may fail to compile on this torch
                     entry[meth] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
