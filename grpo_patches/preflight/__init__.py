@@ -907,6 +907,8 @@ def preflight(
             errors.append(str(e))
 
     capacity = int(gpu_memory_gb * GiB) if gpu_memory_gb is not None else None
+    # the input width whose fp32 copy lean_lora removes (0: stock PEFT makes no copy in this setup)
+    lean_width = _lean_input(arch, lora, layout) if _dtype_bytes(compute_dtype) == 2 else 0
     common = dict(world_size=world_size, batch=batch, steps=steps, prompt=prompt, completion=completion,
                   w_bytes=_dtype_bytes(dtype), act=_dtype_bytes(compute_dtype), dropout=dropout, optim=optim,
                   logits_mode=mode, rewards=rewards, placement=reward_placement, capacity=capacity,
@@ -915,8 +917,7 @@ def preflight(
                                                 params=params, weight_bytes=_dtype_bytes(dtype),
                                                 quantized=layout.quantization is not None)
                         if fast_generation and layout.sharding == "ddp" else None),
-                  layout=layout, lean_input=_lean_input(arch, lora, layout) if lean_lora else 0)
-    lean_candidate = _lean_input(arch, lora, layout) if common["act"] == 2 else 0
+                  layout=layout, lean_input=lean_width if lean_lora else 0)
     ranks = _estimate(arch, params, checkpointing=checkpointing, **common)
     act_ckpt = _activations(arch, batch * (prompt + completion), common["act"], dropout, True)
     act_full = _activations(arch, batch * (prompt + completion), common["act"], dropout, False)
@@ -924,7 +925,7 @@ def preflight(
     fit_error: PreflightError | None = None
     over = [r for r in ranks if r.fits is False]
     if over:
-        fit_error = PreflightError(_no_fit_message(arch, params, over, checkpointing, common, lean_candidate))
+        fit_error = PreflightError(_no_fit_message(arch, params, over, checkpointing, common, lean_width))
         errors.append(str(fit_error))
     elif capacity is not None:
         tight = [r.rank for r in ranks if r.headroom is not None and r.headroom < _MIN_FREE_GB * GiB]
@@ -999,7 +1000,7 @@ def _share_advice(params: ParamCount, pinned: bool) -> list[str]:
 
 
 def _no_fit_message(arch: _Arch, params: ParamCount, over: list[RankEstimate], checkpointing: bool,
-                    common: dict[str, Any], lean_candidate: int = 0) -> str:
+                    common: dict[str, Any], lean_width: int = 0) -> str:
     worst = max(over, key=lambda r: r.required)
     top = sorted(worst.components.items(), key=lambda kv: -kv[1])[:3]
     cap = worst.capacity or 0
@@ -1027,8 +1028,8 @@ def _no_fit_message(arch: _Arch, params: ParamCount, over: list[RankEstimate], c
         try_fix(f"max_completion_length={common['completion'] // 2}", completion=common["completion"] // 2)
     if common["rewards"] and common["placement"] == "local" and common["world_size"] > 1:
         try_fix("reward_placement='main'", placement="main")
-    if lean_candidate and not common["lean_input"]:
-        try_fix("grpo_patches.apply(lean_lora=True) (and preflight(..., lean_lora=True))", lean_input=lean_candidate)
+    if lean_width and not common["lean_input"]:
+        try_fix("grpo_patches.apply(lean_lora=True) (and preflight(..., lean_lora=True))", lean_input=lean_width)
     if common["w_bytes"] > common["act"]:
         try_fix("load the policy in bf16 (model_init_kwargs={'dtype': 'bfloat16'})", w_bytes=common["act"])
     if worst.components["weights"] + worst.overhead > cap:
