@@ -35,7 +35,8 @@ counters over the run (retries after a failed allocation, cudaMalloc / cudaFree 
 
 Profiles of one timed method (e.g. ``training_step``) into ``BENCH_PROFILE_DIR``: ``BENCH_PROFILE=name``
 its Python call tree (cProfile), ``BENCH_KERNELS=name`` its CUDA kernels by kind and by name (the
-last call's, ``kernels-<name>-<variant>-rank<r>.json``). Both slow the profiled calls: profile in a
+last call's, ``kernels-<name>-<variant>-rank<r>.json``), over the timed steps only (not the warm-up's
+compilation). Both slow the profiled calls: profile in a
 run of its own, not in the one whose step times are reported.
 """
 
@@ -301,11 +302,11 @@ def rule_reward(completions, **kwargs):
 class StepTimer:
     """TrainerCallback + method wrappers: per-step wall time and phase times, CUDA-synchronized."""
 
-    def __init__(self, cuda: bool, rank: int, label: str, total_steps: int):
+    def __init__(self, cuda: bool, rank: int, label: str, total_steps: int, warmup: int = 0):
         import torch
 
         self.sync = torch.cuda.synchronize if cuda else (lambda: None)
-        self.rank, self.label, self.total = rank, label, total_steps
+        self.rank, self.label, self.total, self.warmup = rank, label, total_steps, warmup
         self.steps: list[dict[str, float]] = []
         self.cur: dict[str, float] | None = None
         self.last_begin: float | None = None
@@ -346,7 +347,7 @@ class StepTimer:
 
         profile_to = os.environ.get("BENCH_PROFILE_DIR") if os.environ.get("BENCH_PROFILE") == name else None
         profiler = None
-        if profile_to:  # cProfile of this one method, cumulative over the variant's steps
+        if profile_to:  # cProfile of this one method, cumulative over the timed steps
             import cProfile
 
             profiler = cProfile.Profile()
@@ -359,7 +360,8 @@ class StepTimer:
         def timed(*a, **kw):
             timer.sync()
             t0 = time.perf_counter()
-            if profiler is not None:
+            profiling = profiler is not None and len(timer.steps) >= timer.warmup  # timed steps only
+            if profiling:
                 profiler.enable()
             if kernels_to:  # the device kernels of each call; the last call's table is kept
                 from torch.profiler import ProfilerActivity, profile
@@ -373,13 +375,14 @@ class StepTimer:
             else:
                 out = original(*a, **kw)
             timer.sync()
-            if profiler is not None:
+            if profiling:
                 import io
                 import pstats
 
                 profiler.disable()
                 text = io.StringIO()
-                pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(30)
+                pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(70)
+                pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
                 Path(profile_to).mkdir(parents=True, exist_ok=True)
                 (Path(profile_to) / f"profile-{timer.label.replace('#', '_')}-rank{timer.rank}.txt").write_text(
                     text.getvalue())
@@ -509,7 +512,7 @@ def run_variant(args, variant: str, round_idx: int, ctx: dict[str, Any]) -> dict
     )
     lora = lora_config()  # the kit's pinned LoRA: r16, alpha 32, dropout 0.05, all seven projections
     label = f"{variant}#{round_idx}"
-    timer = StepTimer(cuda, rank, label, total_steps)
+    timer = StepTimer(cuda, rank, label, total_steps, args.warmup)
     t_build = time.perf_counter()
     trainer = GRPOTrainer(
         model=policy, reward_funcs=[rule_reward, reward_model], args=config, train_dataset=ctx["dataset"],
@@ -540,6 +543,10 @@ def run_variant(args, variant: str, round_idx: int, ctx: dict[str, Any]) -> dict
                             "cuda_mallocs": stats.get("num_device_alloc"), "cuda_frees": stats.get("num_device_free"),
                             "conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")}
     trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+    from grpo_patches.generation import FAST_GEN_ATTR
+
+    fast_state = getattr(trainer, FAST_GEN_ATTR, None)  # the kit's counters (captures, capture seconds, ...)
+    fast_state = fast_state.summary() if fast_state is not None else None
     trainer.accelerator.free_memory()  # drops accelerate's references to the model and optimizer
     alive = weakref.ref(trainer)
     del trainer
@@ -556,7 +563,7 @@ def run_variant(args, variant: str, round_idx: int, ctx: dict[str, Any]) -> dict
         "variant": variant, "round": round_idx, "rank": rank, "world_size": world,
         "reward_placement": placement, "reward_model_on_this_rank": rm_local, "distributed": distributed,
         "fast_generation": bool(options and options.get("fast_generation")) or variant == "stock-graph",
-        "config_overrides": config_overrides,
+        "config_overrides": config_overrides, "fast_generation_state": fast_state,
         "build_s": build_s, "train_s": train_s, "steps_recorded": len(timer.steps),
         "warmup_steps": [derive(s) for s in timer.steps[: args.warmup]],
         "timed_steps": derived, "summary": summary, "trainable_params": trainable, **mem,

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Issue 16, fifth session: where the 1-GPU step's time goes at batch 8 outside the decode steps (the kit's
+# generate phase is 0.75-0.85 s against ~0.55 s of decode steps; its training phase 0.35 s against stock's
+# 0.31 s). One H200; carry ".whl" (trl, datasets, dill, multiprocess).
+#
+#   bash benchmarks/issue16_overhead_session.sh 1   # cProfile of _generate and of training_step (kit, 1.5B, batch 8);
+#                                                   # kit vs kit with caches / graph kept (one launch)
+#   bash benchmarks/issue16_overhead_session.sh 2   # the 1-GPU step, side by side with stock: 1.5B and 0.5B
+set -uo pipefail
+cd "$(dirname "$0")/.."
+part=${1:?part 1 or 2}
+R=${R:-benchmarks/results/$(date +%F)-h200-issue16-overhead}
+mkdir -p "$R"
+TAG=issue16o
+. benchmarks/device_jobs.sh
+trl_wheels
+bench() {  # bench OUT VARIANTS POLICY STEPS BUDGET
+  echo "GPUS=1 POLICY=$3 VARIANTS=$2 STEPS=$4 BUDGET_S=$5 BENCH_OUT=$R/$1 bash benchmarks/run_bench.sh"
+}
+case $part in
+1)
+  job gen-profile 120 "BENCH_PROFILE=_generate BENCH_PROFILE_DIR=$R/gen-profile $(bench gen-profile-run patched-graph 1.5b 3 115)"; wait
+  job train-profile 120 "BENCH_PROFILE=training_step BENCH_PROFILE_DIR=$R/train-profile $(bench train-profile-run patched-graph 1.5b 3 115)"; wait
+  job kept 150 "$(bench 1gpu-1.5b-kept patched-graph,patched-graph-kept 1.5b 4 145)"; wait
+  ;;
+2)
+  job grpo-1.5b 200 "$(bench 1gpu-1.5b stock,patched-graph 1.5b 3 195)"; wait
+  job grpo-0.5b 170 "$(bench 1gpu-0.5b stock,patched-graph 0.5b 3 165)"; wait
+  ;;
+*) echo "part must be 1 or 2" >&2; exit 2 ;;
+esac
+wait
+log "part $part done"
+for f in "$R"/*.log; do echo "== $f"; tail -8 "$f"; done
