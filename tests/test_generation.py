@@ -917,7 +917,8 @@ def test_merged_buffer_is_not_used_where_dropout_is_live():
 
 
 @pytest.mark.parametrize("name", ["pad_prompts", "dropout_off_while_sampling", "compile", "force_compile", "fullgraph",
-                                  "reuse_cache", "record_sampling_logprobs", "merge_lora", "release_after_sampling"])
+                                  "reuse_cache", "record_sampling_logprobs", "merge_lora", "release_after_sampling",
+                                  "fused_decode", "keep_graph"])
 def test_config_bool_fields_refuse_non_bools_naming_field_value_and_fix(name):
     for bad in ("no", 0, 1, None):
         with pytest.raises(TypeError) as err:
@@ -1075,11 +1076,47 @@ def test_gpu_fused_loop_is_one_cuda_graph_per_check_every_tokens_captured_once_a
                            eager_generate(model, ids, mask)), lengths
     assert stats.capture_errors == [] and stats.captures == captures0 + 1, "captured once, replayed after"
     assert stats.replays - replays0 >= 3 * 2, "12 new tokens in replays of 4"
-    released = FastGenerationConfig(decode_loop="graph", check_every=4)  # the default: graph dropped with the cache
+    dropped = FastGenerationConfig(decode_loop="graph", check_every=4, keep_graph=False)  # the graph goes with the cache
     for expected in (1, 2):  # the first still replays the kept graph, then frees it; the second captures anew
-        assert torch.equal(fast_generate(model, ids, mask, generation_config=greedy(), config=released),
+        assert torch.equal(fast_generate(model, ids, mask, generation_config=greedy(), config=dropped),
                            eager_generate(model, ids, mask))
         assert stats.captures == captures0 + expected and not generation._MERGED[model].chunks
+
+
+@gpu
+@pytest.mark.slow
+def test_gpu_kept_graph_is_replayed_over_caches_back_at_its_addresses_and_recaptured_where_they_moved():
+    """The default (release_after_sampling, keep_graph): caches and buffer freed after every call, the graph
+    kept; a graph replayed over caches at other addresses would read freed memory (wrong tokens)."""
+    model = eos_prone_policy().cuda()
+    config = FastGenerationConfig(decode_loop="graph", check_every=4)
+    stats = generation.GRAPH_STATS.fused
+    ids, mask = (t.cuda() for t in batch([5, 9, 7, 3]))
+    captures0 = stats.captures
+    for call in range(3):  # nothing else allocates in between: the allocator hands the same blocks back
+        if call == 2:  # an optimizer step in between: the replay reads the refreshed buffer
+            with torch.no_grad():
+                for p in model.parameters():
+                    if p.requires_grad:
+                        p.add_(torch.randn_like(p) * 0.05)
+        expected = eager_generate(model, ids, mask)
+        assert torch.equal(fast_generate(model, ids, mask, generation_config=greedy(), config=config), expected)
+        assert not generation._MERGED[model].chunks and not generation._POOLS[model].caches, "released"
+    assert stats.capture_errors == [] and stats.captures == captures0 + 1, "captured once, then replayed"
+    assert stats.graph_pool_bytes > 0
+    # Keep the released tensors alive, so the next call's caches and buffer land elsewhere.
+    merged, pool, held = generation._MERGED[model], generation._POOLS[model], []
+    release_merged, release_pool = merged.release, pool.release
+    merged.release = lambda: (held.extend(merged.chunks), release_merged())
+    pool.release = lambda keep_graphs=False: (held.extend(pool.caches.values()), release_pool(keep_graphs))
+    try:
+        assert torch.equal(fast_generate(model, ids, mask, generation_config=greedy(), config=config), expected)
+        assert stats.captures == captures0 + 1 and held
+        moves = merged.moves
+        assert torch.equal(fast_generate(model, ids, mask, generation_config=greedy(), config=config), expected)
+        assert merged.moves == moves + 1 and stats.captures == captures0 + 2, "moved: captured anew, not replayed"
+    finally:
+        del merged.release, pool.release
 
 
 def test_fused_step_is_not_taken_where_peft_trains_a_copy_of_the_norms():
@@ -1158,3 +1195,23 @@ def test_fused_q_k_v_bias_is_one_tensor_across_calls_and_follows_an_in_place_cha
     changed = qkv_bias()
     assert changed is not first and torch.equal(changed[: first.shape[0] - 2 * attn.k_proj.out_features],
                                                 attn.q_proj.get_base_layer().bias)
+
+
+def test_pool_release_keeps_captured_graphs_only_when_asked_and_forgets_a_failed_capture():
+    from grpo_patches.generation.cache import StaticCachePool
+    from grpo_patches.generation.fused_loop import _FAILED, _Captured
+
+    pool = StaticCachePool()
+    pool.grow(32)
+    pool.get(lora_policy(), 2)
+    captured, uncaptured = _Captured(state=(), graph=object()), _Captured(state=())
+    graphs = {(2, 32): captured, (4, 32): uncaptured, _FAILED: True}
+    pool.graphs = dict(graphs)
+    pool.release(keep_graphs=True)
+    assert pool.caches == {} and pool.graphs == {(2, 32): captured}, "the graph stays; a failure is forgotten"
+    pool.graphs = dict(graphs)
+    pool.release()
+    assert pool.graphs == {}
+    pool.graphs = {(2, 32): captured}
+    pool.grow(64)  # a longer cache: no graph recorded over the old length replays
+    assert pool.graphs == {}

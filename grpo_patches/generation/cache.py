@@ -47,6 +47,8 @@ class StaticCachePool:
             cache.reset()
         return cache
 
-    def release(self) -> None:
+    def release(self, keep_graphs: bool = False) -> None:
+        """Drop the caches; ``keep_graphs``: keep the captured graphs (each is replayed only over caches
+        back at its recorded addresses) but forget a failed capture, which the next caches may not repeat."""
         self.caches = {}
-        self.graphs = {}
+        self.graphs = {k: v for k, v in self.graphs.items() if getattr(v, "graph", None) is not None} if keep_graphs else {}

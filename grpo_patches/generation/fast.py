@@ -85,7 +85,7 @@ class FastGenerationState:
 
     def release(self) -> None:
         """Give the caches and the merged buffer back to the allocator (between generation rounds)."""
-        self.pool.release()
+        self.pool.release(keep_graphs=self.config.keep_graph)
         self.merged.release()
 
     def summary(self) -> dict[str, Any]:
@@ -137,4 +137,4 @@ def fast_generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: tor
         if config.release_after_sampling:
             merged.release()
             if pool is not None:
-                pool.release()
+                pool.release(keep_graphs=config.keep_graph)

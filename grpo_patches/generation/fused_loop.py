@@ -9,9 +9,12 @@ batches. The graph's steps past ``max_new_tokens`` (the last replay is whole) wr
 returned: the output buffer is wide enough, and their cache writes are clamped to the last slot,
 which no returned token reads afterwards.
 
-A captured graph is kept with the pool's cache (same weights, same cache, same state tensors: it
-is replayed as is) and dropped with it (``release_after_sampling``), since its private memory pool
-holds one step's activations.
+A captured graph lives in the pool's ``graphs`` with its state tensors and the addresses it was
+recorded over (weights, caches). It is replayed only while they are all unchanged, else captured
+again. ``release_after_sampling`` frees the caches between calls; the graph (its private memory
+pool holds one step's activations) stays with ``keep_graph`` and is replayed when the next call's
+caches and merged buffer come back at the recorded addresses, which saves the capture (17 steps
+through the compiled function's host code, ~0.12 s at batch 8 on the 1.5B H200 step).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ class FusedLoopStats:
     captures: int = 0  # CUDA graphs captured (a new batch, cache or weight address re-captures)
     replays: int = 0
     capture_seconds: float = 0.0
+    graph_pool_bytes: int = 0  # memory the last capture reserved for its graph's private pool
     last_reason: str = ""  # why the last call did not use the fused step ("" when it did)
     capture_errors: list[str] = field(default_factory=list)
 
@@ -154,7 +158,7 @@ def fused_decode(model: Any, decoder: FusedDecoder, cache: Any, first: torch.Ten
         if entry.graph is None or entry.addresses != addresses:
             started = time.perf_counter()
             try:
-                entry.graph = _capture(step, args, chunk)  # runs one real step first (warm-up)
+                entry.graph, stats.graph_pool_bytes = _capture(step, args, chunk)  # one real step first (warm-up)
                 entry.addresses = addresses
                 done = 1
                 stats.captures += 1
@@ -195,15 +199,17 @@ def _stepwise(step: Callable, args: tuple, n_steps: int, chunk: int, unfinished:
     return out, done
 
 
-def _capture(step: Callable, args: tuple, chunk: int) -> Any:
-    """One real step on a side stream (compilation, lazy initialization), then ``chunk`` steps captured."""
+def _capture(step: Callable, args: tuple, chunk: int) -> tuple[Any, int]:
+    """One real step on a side stream (compilation, lazy initialization), then ``chunk`` steps captured;
+    returns the graph and the memory reserved during the capture (its private pool)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         step(*args)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
+    reserved = torch.cuda.memory_reserved()
     with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         for _ in range(chunk):
             step(*args)
-    return graph
+    return graph, torch.cuda.memory_reserved() - reserved

@@ -31,6 +31,9 @@ per_device_train_batch_size, S = steps_per_generation, P / C = prompt / completi
 - ``generation_transient``: the prefill's widest layer temporaries, N_gen * P * (q + 2 kv + 2 hidden
   + 3 intermediate) * act, and the last-token logits N_gen * V * 4 * 3 (fp32 scores, processed
   scores, probabilities).
+- ``decode_graph``: with ``fast_generation``'s fused loop, its captured CUDA graph's private pool (one
+  decode step's logits and MLP temporaries, N_gen * (V + 2 * intermediate) * act), kept in every phase
+  (``keep_graph``, or no ``release_after_sampling``).
 - ``reward_weights``: each reward model's parameters in its dtype, on every rank ("local") or on
   rank 0 only ("main"). ``reward_scoring``: one no-grad forward over a chunk of completions (the
   prefill formula with the reward model's widths). Rule-based reward functions cost nothing here.
@@ -640,6 +643,7 @@ class FastGenerationMemory:
     cache_length: int  # tokens per row of the static cache
     merged_bytes: int  # the merged buffer (0 without merge_lora)
     released: bool  # release_after_sampling: both exist only while sampling
+    graph_kept: bool = False  # the fused loop's CUDA graph stays allocated between rounds
 
     @classmethod
     def of(cls, option: Any, *, prompt: int, completion: int, params: ParamCount, weight_bytes: int,
@@ -650,7 +654,9 @@ class FastGenerationMemory:
         config = FastGenerationConfig.coerce(option) or FastGenerationConfig()
         length = cache_length(prompt, completion, config)  # the length the pool will allocate
         merged = params.adapted * weight_bytes if config.merge_lora and not quantized else 0
-        return cls(length, merged, config.release_after_sampling)
+        graph = config.decode_loop == "graph" and config.fused_decode and config.compile
+        return cls(length, merged, config.release_after_sampling,
+                   graph and (config.keep_graph or not config.release_after_sampling))
 
 
 def _estimate(
@@ -718,6 +724,7 @@ def _estimate(
                      else 2 * arch.kv * fast.cache_length * n_gen * act * arch.layers),
         "merged_buffer": fast.merged_bytes if fast is not None else 0,
         "generation_transient": _prefill_transient(arch, n_gen * prompt, act) + n_gen * arch.vocab * 4 * 3,
+        "decode_graph": n_gen * (arch.vocab + 2 * arch.intermediate) * act if fast is not None and fast.graph_kept else 0,
     }
     gen_gathered = layout.gathered(params, w_bytes, w, arch.hidden, "generation", checkpointing)
     # The optimizer step: foreach AdamW's temporaries, about one fp32 copy of the (local) trainable weights.
@@ -742,7 +749,7 @@ def _estimate(
         comp["reward_weights"] = rm_weights
         comp["reward_scoring"] = rm_scoring
         resident = (comp["weights"] + comp["lora_params"] + comp["optimizer_state"] + rm_weights + grad_copy
-                    + comp["grad_bucket"])
+                    + comp["grad_bucket"] + comp["decode_graph"])
         # Fast generation's static cache and merged-LoRA buffer exist while sampling; with
         # release_after_sampling=False they stay allocated through every phase.
         fast_resident = comp["kv_cache"] + comp["merged_buffer"] if fast is not None and not fast.released else 0
@@ -1051,10 +1058,10 @@ def _gib(n: int | float) -> str:
 
 
 _ROWS = ("weights", "gathered_weights", "grad_bucket", "dequant_transient", "lora_params", "lora_grads", "optimizer_state", "activations", "logits_logps", "autocast_cache",
-         "kv_cache", "generation_transient", "reward_weights", "reward_scoring")
+         "kv_cache", "generation_transient", "decode_graph", "reward_weights", "reward_scoring")
 
 
-_OPTIONAL_ROWS = frozenset({"grad_bucket"})  # DeepSpeed only: left out of tables where it is 0
+_OPTIONAL_ROWS = frozenset({"grad_bucket", "decode_graph"})  # left out of tables where they are 0
 
 
 def _render(ranks: list[RankEstimate], title: str | None = None) -> str:
