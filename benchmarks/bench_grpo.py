@@ -94,6 +94,12 @@ VARIANTS: dict[str, tuple[dict[str, Any] | None, dict[str, Any]]] = {
     # + LoRA layers without PEFT's fp32 copy of their inputs under autocast (grpo_patches/lean_lora.py)
     "patched-graph-lean": ({"reward_placement": "local", "fast_generation": {"decode_loop": "graph"},
                             "lean_lora": True}, {}),
+    # + the fused loop's CUDA graph kept between rounds (caches and buffer still freed): no capture per round
+    "patched-graph-kg": ({"reward_placement": "local", "fast_generation": {"decode_loop": "graph", "keep_graph": True}},
+                         {}),
+    "patched-graph-lean-kg": ({"reward_placement": "local", "fast_generation": {"decode_loop": "graph",
+                                                                                "keep_graph": True},
+                               "lean_lora": True}, {}),
 }
 #: (variant, baseline, target): the patch's overhead where both sides generate the same way.
 OVERHEAD_PAIRS = [("patched-graph", "stock-graph", 1.01)]

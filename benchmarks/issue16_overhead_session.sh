@@ -5,8 +5,8 @@
 #
 #   bash benchmarks/issue16_overhead_session.sh 1   # cProfile of _generate and of training_step (kit, 1.5B, batch 8);
 #                                                   # kit vs kit with caches / graph kept (one launch)
-#   bash benchmarks/issue16_overhead_session.sh 2   # GPU tests; the 1-GPU step side by side with stock (1.5B, 0.5B), the
-#                                                   # decode graph kept between rounds (keep_graph, the new default)
+#   bash benchmarks/issue16_overhead_session.sh 2   # GPU tests; the 1-GPU step side by side with stock (1.5B, 0.5B): the
+#                                                   # kit, the kit with the decode graph kept between rounds (keep_graph)
 #   bash benchmarks/issue16_overhead_session.sh 3   # 24 GiB probes with the graph kept: lean kit at 256, kit at 192
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -27,8 +27,8 @@ case $part in
   ;;
 2)
   job gpu-tests 150 "python3 -m pytest -q -p no:cacheprovider tests/test_generation.py -k gpu"; wait
-  job grpo-1.5b 230 "$(bench 1gpu-1.5b stock,patched-graph,patched-graph-lean 1.5b 3 225)"; wait
-  job grpo-0.5b 170 "$(bench 1gpu-0.5b stock,patched-graph 0.5b 3 165)"; wait
+  job grpo-1.5b 230 "$(bench 1gpu-1.5b stock,patched-graph,patched-graph-kg,patched-graph-lean-kg 1.5b 3 225)"; wait
+  job grpo-0.5b 170 "$(bench 1gpu-0.5b stock,patched-graph,patched-graph-kg 0.5b 3 165)"; wait
   ;;
 3)
   probe() {  # probe VARIANT BATCH STEPS TIMEOUT: one 24 GiB probe at BATCH only, a fresh launch
@@ -36,7 +36,7 @@ case $part in
       --variants $1 --start-batch $2 --max-batch-limit $2 --no-bisect --probe-steps $3 --probe-timeout $4 \
       --out $R/24gb-1.5b"
   }
-  job 24gb 270 "$(probe patched-graph-lean 256 4 140); $(probe patched-graph 192 4 120)"; wait
+  job 24gb 270 "$(probe patched-graph-lean-kg 256 4 140); $(probe patched-graph-kg 192 4 120)"; wait
   ;;
 *) echo "part must be 1 to 3" >&2; exit 2 ;;
 esac

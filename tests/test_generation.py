@@ -1076,7 +1076,7 @@ def test_gpu_fused_loop_is_one_cuda_graph_per_check_every_tokens_captured_once_a
                            eager_generate(model, ids, mask)), lengths
     assert stats.capture_errors == [] and stats.captures == captures0 + 1, "captured once, replayed after"
     assert stats.replays - replays0 >= 3 * 2, "12 new tokens in replays of 4"
-    dropped = FastGenerationConfig(decode_loop="graph", check_every=4, keep_graph=False)  # the graph goes with the cache
+    dropped = FastGenerationConfig(decode_loop="graph", check_every=4)  # the default: the graph goes with the cache
     for expected in (1, 2):  # the first still replays the kept graph, then frees it; the second captures anew
         assert torch.equal(fast_generate(model, ids, mask, generation_config=greedy(), config=dropped),
                            eager_generate(model, ids, mask))
@@ -1086,10 +1086,10 @@ def test_gpu_fused_loop_is_one_cuda_graph_per_check_every_tokens_captured_once_a
 @gpu
 @pytest.mark.slow
 def test_gpu_kept_graph_is_replayed_over_caches_back_at_its_addresses_and_recaptured_where_they_moved():
-    """The default (release_after_sampling, keep_graph): caches and buffer freed after every call, the graph
-    kept; a graph replayed over caches at other addresses would read freed memory (wrong tokens)."""
+    """keep_graph with release_after_sampling: caches and buffer freed after every call, the graph kept; a
+    graph replayed over caches at other addresses would read freed memory (wrong tokens)."""
     model = eos_prone_policy().cuda()
-    config = FastGenerationConfig(decode_loop="graph", check_every=4)
+    config = FastGenerationConfig(decode_loop="graph", check_every=4, keep_graph=True)
     stats = generation.GRAPH_STATS.fused
     ids, mask = (t.cuda() for t in batch([5, 9, 7, 3]))
     captures0 = stats.captures

@@ -150,18 +150,18 @@ def test_fast_generation_counts_its_static_cache_and_merged_buffer_while_samplin
     static = 2 * arch.kv * (128 + 128) * 4 * 2 * arch.layers  # prompt 70 rounded up to 128, + 128 new tokens
     params = pf.count_parameters(pf.load_model_config("qwen2.5-0.5b"))
     merged = params.adapted * 2  # bf16: the seven projections of every layer once more
-    dropped = quiet_preflight("qwen2.5-0.5b", grpo_config=SMALL, prompt_length=70,
-                              fast_generation={"keep_graph": False}).ranks[0]
+    graphed = quiet_preflight("qwen2.5-0.5b", grpo_config=SMALL, prompt_length=70,
+                              fast_generation={"keep_graph": True}).ranks[0]
     graph = 4 * (arch.vocab + 2 * arch.intermediate) * 2  # the fused loop's graph: one step's logits and MLP
     assert fast.components["kv_cache"] == static and fast.components["merged_buffer"] == merged > 0
-    assert fast.components["decode_graph"] == graph and dropped.components["decode_graph"] == 0
+    assert graphed.components["decode_graph"] == graph and fast.components["decode_graph"] == 0
     assert eager.components["decode_graph"] == 0
     gen_eager = eager.phases["generation"] - eager.components["kv_cache"]
-    assert fast.phases["generation"] == gen_eager + static + merged + graph
-    assert unmerged.phases["generation"] == gen_eager + static + graph and unmerged.components["merged_buffer"] == 0
-    assert dropped.phases["training"] == eager.phases["training"], "released before training, graph too"
-    assert fast.phases["training"] == eager.phases["training"] + graph, "the kept graph stays through training"
-    assert kept.phases["training"] == eager.phases["training"] + static + merged + graph
+    assert fast.phases["generation"] == gen_eager + static + merged
+    assert unmerged.phases["generation"] == gen_eager + static and unmerged.components["merged_buffer"] == 0
+    assert fast.phases["training"] == eager.phases["training"], "released before training, the graph too"
+    assert graphed.phases["training"] == eager.phases["training"] + graph, "the kept graph stays through training"
+    assert kept.phases["training"] == eager.phases["training"] + static + merged + graph, "kept: the graph too"
     assert kept.phases["scoring"] == eager.phases["scoring"] + static + merged + graph
 
 
@@ -202,12 +202,11 @@ def test_lean_lora_drops_the_fp32_input_copy_where_stock_peft_makes_one():
 def test_lean_lora_is_offered_as_a_fix_and_predicts_the_h200_peaks():
     # H200, 1.5B policy, LoRA dropout 0.05, 24 GiB cap, fast generation, 8 x 256 tokens, ~80-token prompts
     # (benchmarks/results/2026-12-01-h200-issue16-lean/): stock's largest batch 192 (208 out of memory);
-    # with lean_lora peak allocated 17.29 / 19.46 GiB at 192 / 224 (the stock kit's: 20.98 at 192). Those runs
-    # dropped the decode graph after every round (keep_graph came later): the config measured.
+    # with lean_lora peak allocated 17.29 / 19.46 GiB at 192 / 224 (the stock kit's: 20.98 at 192)
     config = dict(SMALL, max_completion_length=256)
     def run(batch, lean):
         return quiet_preflight("qwen2-1.5b", grpo_config=dict(config, per_device_train_batch_size=batch),
-                               prompt_length=80, gpu_memory_gb=24, fast_generation={"keep_graph": False}, lean_lora=lean,
+                               prompt_length=80, gpu_memory_gb=24, fast_generation=True, lean_lora=lean,
                                reward_models=["qwen2.5-0.5b"], raise_on_error=False)
     assert run(192, False).ok and not run(208, False).ok
     assert "apply(lean_lora=True)" in run(208, False).errors[0] and "(fits)" in run(208, False).errors[0]
