@@ -17,8 +17,9 @@ What the patch does to each trainer built afterwards:
   back), with ``num_generations`` and ``group_ids`` given to reward functions that accept them;
 * turns an exception, a wrong-length or non-finite reward, or a reward call running past
   ``reward_timeout`` on any rank into an error on every rank, naming the function and the rank.
-* on request, samples through compiled decoding (``fast_generation``) and lets the policy's LoRA
-  layers skip PEFT's fp32 copy of their inputs under autocast (``lean_lora``).
+* on request, samples through compiled decoding (``fast_generation``), lets the policy's LoRA
+  layers skip PEFT's fp32 copy of their inputs under autocast (``lean_lora``) and compiles its
+  decoder layers for the training forward and backward (``compile_training``).
 
 Besides the patch: :mod:`grpo_patches.defaults` (pinned LoRA / GRPO settings as real PEFT / TRL
 config objects), :func:`preflight` (per-rank memory estimate on the meta device, before a step
@@ -81,6 +82,7 @@ def apply(
     strict: bool = True,
     fast_generation: bool | dict | Any = False,
     lean_lora: bool = False,
+    compile_training: bool = False,
     targets: tuple[str, ...] = TARGETS,
 ) -> bool:
     """Patch ``trl.GRPOTrainer`` in place; returns whether a patch is active afterwards.
@@ -103,6 +105,9 @@ def apply(
             adapter on the input as it is, skipping PEFT's fp32 copy (autocast rounds the adapter's
             input back anyway, so values are unchanged; dropout masks are drawn by another kernel).
             Saves memory traffic and transient memory in every training forward and backward.
+        compile_training: the policy's decoder layers run compiled (inductor) whenever autograd is
+            on (the training forward and its recomputation), eager otherwise (sampling). Fewer, fused
+            kernels; not bit-identical to eager (rounding, dropout masks). One process or DDP.
         targets: which trainers to patch: ``"trl"`` (``trl.GRPOTrainer``) and/or ``"vendored"``
             (the vendored DeepSeekMath-style trainer). Both by default, and then only if the
             installed TRL is patched; ``("vendored",)`` patches the vendored trainer alone and
@@ -114,7 +119,7 @@ def apply(
     from .generation import FastGenerationConfig
 
     opts = _options.PatchOptions(reward_placement, reward_chunk_size, reward_timeout, strict,
-                                 FastGenerationConfig.coerce(fast_generation), lean_lora)
+                                 FastGenerationConfig.coerce(fast_generation), lean_lora, compile_training)
     chosen = tuple(targets) if isinstance(targets, list | tuple) else (targets,)
     if not chosen or any(t not in TARGETS for t in chosen):
         raise ValueError(f"grpo_patches.apply: targets={targets!r}; expected a non-empty tuple of {TARGETS}.")

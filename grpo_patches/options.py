@@ -21,6 +21,7 @@ class PatchOptions:
     strict: bool = True
     fast_generation: FastGenerationConfig | None = None
     lean_lora: bool = False
+    compile_training: bool = False
 
     def __post_init__(self) -> None:
         if self.reward_placement not in PLACEMENTS:
@@ -56,6 +57,11 @@ class PatchOptions:
             from .lean_lora import check_supported
 
             check_supported()
+        if not isinstance(self.compile_training, bool):
+            raise TypeError(
+                f"grpo_patches.apply: compile_training={self.compile_training!r} must be True (the policy's decoder "
+                f"layers compiled for the training forward and backward) or False (eager, as stock)."
+            )
 
     @property
     def collective_timeout(self) -> float:

@@ -13,7 +13,8 @@ The same mechanisms as TRL's adapters, on the vendored trainer's four points:
   ``num_generations`` and ``group_ids`` given to reward functions that accept them.
 * ``sample``: fast generation when ``apply(fast_generation=...)`` asks for it.
 
-``apply(lean_lora=True)`` hooks the policy's LoRA layers once the trainer is built.
+``apply(lean_lora=True)`` hooks the policy's LoRA layers once the trainer is built;
+``apply(compile_training=True)`` switches its decoder layers to the compiled training forward.
 
 The trainer's advantage code (all-gather, per-group normalization) is its own, untouched: with
 groups rank-local it gives the same advantages as a per-rank normalization would.
@@ -29,6 +30,7 @@ from torch import nn
 
 from .. import options as _options
 from ..collectives import FailFastGroup
+from ..compiled_training import check_layout, enable_compiled_training
 from ..generation import FAST_GEN_ATTR, FastGenerationState, fast_generate
 from ..grouping import GroupShapeError, RankLocalGroupSampler, check_group_shape, nearest_valid_settings
 from ..lean_lora import enable_lean_lora
@@ -86,6 +88,9 @@ def wrap_init(wrapped, instance, args, kwargs):
         setattr(instance, FAST_GEN_ATTR, FastGenerationState(opts.fast_generation))
     if opts.lean_lora:
         enable_lean_lora(instance.model)
+    if opts.compile_training:
+        check_layout(instance.accelerator)
+        enable_compiled_training(instance.model)
 
 
 def wrap_create_groups(wrapped, instance, args, kwargs):

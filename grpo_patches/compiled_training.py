@@ -1,0 +1,96 @@
+"""The policy's decoder layers compiled for the training forward and backward (``apply(compile_training=True)``).
+
+In the H200 GRPO step the training phase runs at ~3x the time of its matmuls: per decoder layer the
+eager forward launches ~90 kernels (PEFT's dropout, scaling and add around each of the seven adapted
+projections, RMSNorm and RoPE as chains of elementwise kernels), three times over with gradient
+checkpointing (forward, recomputation, backward), and at small batches each launch also costs host
+time. Compiled (inductor), a layer's elementwise chains become a few fused kernels; the matmuls stay
+library calls.
+
+One compiled function serves every layer (the layer is an argument, so its weights are graph inputs):
+a model compiles a graph per shape class, not per layer (the first step a static one, the next
+sequence length a dynamic one, then none). Only calls with autograd on take it (the training forward
+and its checkpointed recomputation): sampling and no-grad log-prob passes run the eager layer, so
+generation compiles nothing new and runs exactly as without the option.
+
+What differs from stock: inductor's fused kernels round differently (fp32 intermediates between the
+fused elementwise ops), and the LoRA dropout's masks come from inductor's generator (same ``p``; the
+checkpointed recomputation reproduces them, as in eager, from the restored RNG state). Single process
+and DDP only: FSDP and DeepSpeed are refused when the trainer is built.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["check_layout", "compiled_layers", "enable_compiled_training"]
+
+_MARK = "_grpo_compiled_training"  # class attribute of the compiled subclasses
+_SUBCLASSES: dict[type, type] = {}
+_compiled: Any = None
+
+
+def _layer_forward(layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    return type(layer).__mro__[1].forward(layer, *args, **kwargs)  # the model's own class
+
+
+def _compiled_forward() -> Any:
+    global _compiled
+    if _compiled is None:
+        _compiled = torch.compile(_layer_forward, dynamic=None)
+    return _compiled
+
+
+def _subclass(cls: type) -> type:
+    """``cls`` with a forward that takes the compiled function when autograd is on. Same name and
+    qualified name (checks by class name, e.g. FSDP's wrap policy, see the model's own class)."""
+    sub = _SUBCLASSES.get(cls)
+    if sub is None:
+        def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            if torch.is_grad_enabled():
+                return _compiled_forward()(self, *args, **kwargs)
+            return cls.forward(self, *args, **kwargs)
+
+        sub = type(cls.__name__, (cls,), {"forward": forward, _MARK: True, "__module__": cls.__module__,
+                                          "__qualname__": cls.__qualname__})
+        _SUBCLASSES[cls] = sub
+    return sub
+
+
+def _decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks the model names in ``_no_split_modules`` (transformers' decoder layers)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    names = set(getattr(base, "_no_split_modules", None) or ())
+    return [m for m in model.modules() if type(m).__name__ in names or getattr(type(m), _MARK, False)]
+
+
+def compiled_layers(model: nn.Module) -> list[nn.Module]:
+    """The layers of ``model`` that :func:`enable_compiled_training` has switched."""
+    return [m for m in model.modules() if getattr(type(m), _MARK, False)]
+
+
+def enable_compiled_training(model: nn.Module) -> int:
+    """Switch every decoder layer of ``model`` (once) to the compiled training forward; returns how
+    many layers run it. A model without named decoder layers is left alone, with a warning (0)."""
+    layers = _decoder_layers(model)
+    for layer in layers:
+        if not getattr(type(layer), _MARK, False):
+            layer.__class__ = _subclass(type(layer))
+    if not layers:
+        warnings.warn(f"grpo_patches: compile_training=True, but {type(model).__name__} names no decoder layers "
+                      "(transformers' _no_split_modules): nothing is compiled. Drop compile_training for this "
+                      "model.", stacklevel=3)
+    return len(layers)
+
+
+def check_layout(accelerator: Any) -> None:
+    """Refuse ``compile_training=True`` under FSDP or DeepSpeed (not tested there: their parameter
+    gathering runs around each layer's forward)."""
+    kind = str(getattr(accelerator, "distributed_type", "")).rsplit(".", 1)[-1]
+    if kind in ("FSDP", "DEEPSPEED"):
+        raise ValueError(f"grpo_patches: compile_training=True runs on one process or under DDP; this trainer runs "
+                         f"under {kind}. Drop compile_training (apply(compile_training=False)) or train under DDP.")

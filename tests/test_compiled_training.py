@@ -1,0 +1,212 @@
+"""``apply(compile_training=True)``: the policy's decoder layers compiled for the training forward.
+
+Each compiling test first runs stock (eager) PEFT on the same model and inputs, then the compiled
+layers: the same losses and gradients to fp32 rounding, one graph per shape class shared by every
+layer, no compilation and eager bits where autograd is off (sampling), and the LoRA dropout's masks
+reproduced by the checkpointed recomputation.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import grpo_patches
+from grpo_patches import compiled_training
+from grpo_patches.compiled_training import check_layout, compiled_layers, enable_compiled_training
+from tests.helpers import grpo_args, lora, prompt_dataset, quiet, target_share, tiny_policy, tiny_tokenizer
+
+PROJ = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def peft_model(dropout: float = 0.0, layers: int = 3):
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(tiny_policy(3, num_hidden_layers=layers),
+                           LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=PROJ))
+    torch.manual_seed(4)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:  # PEFT starts B at zero: the adapter would add nothing
+            nn.init.normal_(p, std=0.2)
+    model.train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # TRL 1.x's default
+    model.enable_input_require_grads()
+    return model
+
+
+def step(model, ids, seed=7):
+    """One forward and backward: (loss, {name: LoRA gradient})."""
+    model.zero_grad()
+    torch.manual_seed(seed)
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def ids(length, seed=0):
+    return torch.randint(4, 19, (3, length), generator=torch.Generator().manual_seed(seed))
+
+
+def graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def test_compiled_layers_give_eagers_losses_and_gradients_and_stop_compiling_after_two_shapes():
+    eager = peft_model()
+    compiled = copy.deepcopy(eager)
+    assert enable_compiled_training(compiled) == 3 and len(compiled_layers(compiled)) == 3
+    torch._dynamo.reset()
+    before = graphs()
+    for n, length in enumerate((9, 13, 17, 11)):
+        loss_e, grads_e = step(eager, ids(length, n))
+        loss_c, grads_c = step(compiled, ids(length, n))
+        torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-6)
+        assert grads_c.keys() == grads_e.keys() and len(grads_e) == 2 * 3 * len(PROJ)
+        for name, grad in grads_e.items():
+            torch.testing.assert_close(grads_c[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+        if n == 0:
+            assert graphs() > before, "the layers ran compiled"
+        if n == 1:
+            settled = graphs()  # a static graph, then a dynamic one for the next length
+    assert graphs() == settled, "no graph per layer or per new length after the second"
+
+
+def test_no_grad_calls_run_the_eager_layer_and_compile_nothing():
+    eager = peft_model()
+    compiled = copy.deepcopy(eager)
+    enable_compiled_training(compiled)
+    for model in (eager, compiled):
+        model.eval()
+    before = graphs()
+    with torch.no_grad():  # how sampling and TRL's no-grad log-prob passes call the policy
+        out_e = eager(input_ids=ids(10)).logits
+        out_c = compiled(input_ids=ids(10)).logits
+        gen = compiled.generate(input_ids=ids(5), max_new_tokens=4, do_sample=False)
+    assert torch.equal(out_c, out_e), "the eager layer's bits"
+    assert torch.equal(gen, eager.generate(input_ids=ids(5), max_new_tokens=4, do_sample=False))
+    assert graphs() == before
+
+
+def test_dropout_masks_are_reproduced_by_the_checkpointed_recomputation():
+    eager = peft_model(dropout=0.3)
+    compiled = copy.deepcopy(eager)
+    enable_compiled_training(compiled)
+    unchecked = copy.deepcopy(compiled)
+    unchecked.gradient_checkpointing_disable()
+    batch = ids(12)
+    _, grads_e = step(eager, batch)
+    loss_c, grads_c = step(compiled, batch)
+    loss_u, grads_u = step(unchecked, batch)
+    assert torch.equal(loss_c, loss_u)
+    for name, grad in grads_u.items():  # a recomputation drawing new masks would give other gradients
+        torch.testing.assert_close(grads_c[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+    differ = [n for n, g in grads_e.items() if not torch.allclose(grads_c[n], g, rtol=1e-3, atol=1e-5)]
+    assert differ, "inductor draws its own masks (same p): not eager's"
+
+
+def test_layers_switch_once_keep_their_class_name_and_a_deep_copy_runs_its_own_weights():
+    model = peft_model(layers=2)
+    original = type(model.get_base_model().model.layers[0])
+    assert enable_compiled_training(model) == 2 and enable_compiled_training(model) == 2
+    layer = model.get_base_model().model.layers[0]
+    assert isinstance(layer, original) and type(layer).__mro__[1] is original
+    assert (type(layer).__name__, type(layer).__qualname__) == (original.__name__, original.__qualname__)
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.mul_(0.5)
+        twin.eval(), model.eval()
+        assert not torch.equal(twin(input_ids=ids(6)).logits, model(input_ids=ids(6)).logits)
+    assert len(compiled_layers(twin)) == 2
+    with pytest.warns(UserWarning, match="names no decoder layers"):
+        assert enable_compiled_training(nn.Sequential(nn.Linear(2, 2))) == 0
+
+
+def test_compile_training_must_be_a_bool_and_fsdp_or_deepspeed_are_refused():
+    with pytest.raises(TypeError, match="compile_training='yes'"):
+        grpo_patches.apply(compile_training="yes")
+    assert not grpo_patches.is_applied()
+
+    class Accelerator:
+        def __init__(self, kind):
+            from accelerate.utils import DistributedType
+
+            self.distributed_type = getattr(DistributedType, kind)
+
+    for kind in ("FSDP", "DEEPSPEED"):
+        with pytest.raises(ValueError, match=f"under {kind}.*Drop compile_training"):
+            check_layout(Accelerator(kind))
+    for kind in ("NO", "MULTI_GPU", "MULTI_CPU"):
+        check_layout(Accelerator(kind))
+
+
+def _trainer(**apply_kw):
+    from trl import GRPOTrainer
+
+    quiet()
+    grpo_patches.revert()
+    grpo_patches.apply(**apply_kw)
+    try:
+        return GRPOTrainer(model=tiny_policy(5), reward_funcs=target_share, train_dataset=prompt_dataset(),
+                           processing_class=tiny_tokenizer(), peft_config=lora(),
+                           args=grpo_args(max_steps=2, gradient_checkpointing=True))
+    finally:
+        grpo_patches.revert()
+
+
+def test_trl_trainer_with_compiled_layers_trains_like_stock_and_samples_eagerly(monkeypatch):
+    from grpo_patches.targets import trl_glue
+
+    calls = {True: 0, False: 0}
+    compiled = compiled_training._compiled_forward
+
+    def counting():
+        fn = compiled()
+
+        def call(*args, **kwargs):
+            calls[torch.is_grad_enabled()] += 1
+            return fn(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(compiled_training, "_compiled_forward", counting)
+    checked = []
+    monkeypatch.setattr(trl_glue, "check_layout", checked.append)
+    runs = {}
+    for name, kw in {"stock": {}, "compiled": {"compile_training": True}}.items():
+        trainer = _trainer(**kw)
+        assert len(compiled_layers(trainer.model)) == (0 if name == "stock" else 2)
+        torch.manual_seed(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.train()
+        lora_weights = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_" in n}
+        runs[name] = ([h.get("loss") for h in trainer.state.log_history if "loss" in h], lora_weights)
+    assert checked == [trainer.accelerator], "the layout is checked at construction"
+    (loss_s, w_s), (loss_c, w_c) = runs["stock"], runs["compiled"]
+    assert len(loss_s) == 2 and loss_c == pytest.approx(loss_s, rel=1e-4, abs=1e-6)
+    assert any(w.abs().sum() > 0 for n, w in w_s.items() if "lora_B" in n), "the steps trained (B starts at 0)"
+    for name, weight in w_s.items():
+        torch.testing.assert_close(w_c[name], weight, rtol=1e-4, atol=1e-6, msg=name)
+    assert calls[True] > 0 and calls[False] == 0, calls
+
+
+def test_vendored_trainer_switches_its_policy():
+    from peft import get_peft_model
+
+    from grpo_patches.vendored.dsm_grpo import DSMGRPOConfig, DSMGRPOTrainer
+
+    grpo_patches.apply(targets=("vendored",), compile_training=True)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer = DSMGRPOTrainer(get_peft_model(tiny_policy(), lora()), tiny_tokenizer(), target_share,
+                                     DSMGRPOConfig(max_new_tokens=4))
+    finally:
+        grpo_patches.revert()
+    assert len(compiled_layers(trainer.model)) == 2
