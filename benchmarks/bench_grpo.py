@@ -100,6 +100,11 @@ VARIANTS: dict[str, tuple[dict[str, Any] | None, dict[str, Any]]] = {
     "patched-graph-lean-kg": ({"reward_placement": "local", "fast_generation": {"decode_loop": "graph",
                                                                                 "keep_graph": True},
                                "lean_lora": True}, {}),
+    # + the decoder layers compiled for the training forward / backward (grpo_patches/compiled_training.py)
+    "patched-graph-compiled": ({"reward_placement": "local", "fast_generation": {"decode_loop": "graph"},
+                                "compile_training": True}, {}),
+    "patched-graph-lean-kg-compiled": ({"reward_placement": "local", "fast_generation": {
+        "decode_loop": "graph", "keep_graph": True}, "lean_lora": True, "compile_training": True}, {}),
 }
 #: (variant, baseline, target): the patch's overhead where both sides generate the same way.
 OVERHEAD_PAIRS = [("patched-graph", "stock-graph", 1.01)]

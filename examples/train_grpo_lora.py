@@ -57,6 +57,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fast-generation", action="store_true", help="compiled decoding (GPU, TRL >= 0.29)")
     p.add_argument("--lean-lora", action="store_true",
                    help="LoRA layers without PEFT's fp32 input copy under bf16 autocast (less memory and time)")
+    p.add_argument("--compile-training", action="store_true",
+                   help="decoder layers compiled for the training forward / backward (one process or DDP)")
     return p.parse_args(argv)
 
 
@@ -187,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
     grpo_patches.apply(reward_placement=args.placement, fast_generation=args.fast_generation,
-                       lean_lora=args.lean_lora)
+                       lean_lora=args.lean_lora, compile_training=args.compile_training)
     trainer = GRPOTrainer(model=load_model(), reward_funcs=[accuracy_reward, format_reward], args=config,
                           train_dataset=dataset, processing_class=tokenizer, peft_config=lora)
     grpo_patches.GRPOMonitorCallback().attach(trainer)

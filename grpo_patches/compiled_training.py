@@ -7,9 +7,9 @@ checkpointing (forward, recomputation, backward), and at small batches each laun
 time. Compiled (inductor), a layer's elementwise chains become a few fused kernels; the matmuls stay
 library calls.
 
-One compiled function serves every layer (the layer is an argument, so its weights are graph inputs):
-a model compiles a graph per shape class, not per layer (the first step a static one, the next
-sequence length a dynamic one, then none). Only calls with autograd on take it (the training forward
+One compiled function serves every layer (the layer is an argument, so its weights are graph inputs),
+compiled with dynamic shapes: a run compiles one graph at its first training forward (and one for its
+backward), not one per layer or per sequence length. Only calls with autograd on take it (the training forward
 and its checkpointed recomputation): sampling and no-grad log-prob passes run the eager layer, so
 generation compiles nothing new and runs exactly as without the option.
 
@@ -41,7 +41,7 @@ def _layer_forward(layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
 def _compiled_forward() -> Any:
     global _compiled
     if _compiled is None:
-        _compiled = torch.compile(_layer_forward, dynamic=None)
+        _compiled = torch.compile(_layer_forward, dynamic=True)
     return _compiled
 
 
