@@ -10,10 +10,11 @@
 #   bash benchmarks/issue16_overhead_session.sh 3   # 24 GiB probes with the graph kept: lean kit at 256, kit at 192
 #   bash benchmarks/issue16_overhead_session.sh 4   # compile_training: its tests on the GPU; the 1-GPU step (stock, kit,
 #                                                   # kit + compiled layers, kit + lean + kept graph + compiled layers,
-#                                                   # 2 warm-up steps: the first compiles); 24 GiB probes at 160 / 256
+#                                                   # 2 warm-up steps: the first compiles)
+#   bash benchmarks/issue16_overhead_session.sh 5   # compile_training under the 24 GiB cap: lean + kept graph + compiled at 160 / 256
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?part 1 to 4}
+part=${1:?part 1 to 5}
 R=${R:-benchmarks/results/$(date +%F)-h200-issue16-overhead}
 mkdir -p "$R"
 TAG=issue16o
@@ -42,16 +43,18 @@ case $part in
   job 24gb 270 "$(probe patched-graph-lean-kg 256 4 140); $(probe patched-graph-kg 192 4 120)"; wait
   ;;
 4)
-  job gpu-tests 200 "python3 -m pytest -q -p no:cacheprovider tests/test_compiled_training.py"; wait
-  job grpo-1.5b 330 "WARMUP=2 $(bench 1gpu-1.5b-compiled stock,patched-graph,patched-graph-compiled,patched-graph-lean-kg-compiled 1.5b 3 325)"; wait
+  job gpu-tests-compiled 200 "python3 -m pytest -q -p no:cacheprovider tests/test_compiled_training.py"; wait
+  job grpo-1.5b-compiled 330 "WARMUP=2 $(bench 1gpu-1.5b-compiled stock,patched-graph,patched-graph-compiled,patched-graph-lean-kg-compiled 1.5b 3 325)"; wait
+  ;;
+5)
   probe() {
     echo "python3 benchmarks/bench_grpo.py --find-max-batch --nproc 1 --mem-cap-gb 24 --policy 1.5b --grad-ckpt on \
       --variants $1 --start-batch $2 --max-batch-limit $2 --no-bisect --probe-steps $3 --probe-timeout $4 \
       --out $R/24gb-1.5b-compiled"
   }
-  job 24gb 400 "$(probe patched-graph-lean-kg-compiled 160 5 190); $(probe patched-graph-lean-kg-compiled 256 4 200)"; wait
+  job 24gb-compiled 400 "$(probe patched-graph-lean-kg-compiled 160 5 190); $(probe patched-graph-lean-kg-compiled 256 4 200)"; wait
   ;;
-*) echo "part must be 1 to 4" >&2; exit 2 ;;
+*) echo "part must be 1 to 5" >&2; exit 2 ;;
 esac
 wait
 log "part $part done"
