@@ -194,6 +194,24 @@ def scenario_fault(data):
     trainer.train()
 
 
+def scenario_compiled(data):
+    """Stock 2-rank DDP training, then the same with apply(compile_training=True): losses and LoRA weights."""
+    from grpo_patches.compiled_training import compiled_layers
+
+    for label, kw in (("stock", {}), ("compiled", {"compile_training": True})):
+        grpo_patches.revert()
+        grpo_patches.apply(**kw)
+        trainer = build(grpo_args(per_device_train_batch_size=4, num_generations=4, max_steps=2,
+                                  gradient_checkpointing=True))
+        torch.manual_seed(0)
+        trainer.train()
+        weights = {n: p.detach().flatten()[:8].tolist() for n, p in trainer.model.named_parameters() if "lora_" in n}
+        data[label] = {"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h], "weights": weights,
+                       "compiled_layers": len(compiled_layers(trainer.model)),
+                       "distributed": str(trainer.accelerator.distributed_type)}
+    grpo_patches.revert()
+
+
 def main() -> None:
     outdir, scenario, *argv = sys.argv[1:]
     data: dict = {"rank": RANK, "argv": argv}

@@ -225,3 +225,19 @@ def test_gpu_compiled_layers_under_bf16_autocast_stay_within_bf16_rounding_of_ea
         for name, grad in grads_e.items():  # bf16 matmuls on both sides; fused elementwise rounds once
             scale = grad.abs().max().clamp_min(1e-6)
             assert (grads_c[name] - grad).abs().max() / scale < 5e-2, name
+
+
+@pytest.mark.distributed
+def test_ddp_run_with_compiled_layers_trains_like_stock_and_keeps_the_ranks_in_sync():
+    from tests.launch import describe, run_ranks
+
+    results = run_ranks("tests.dist_trl", "compiled", world_size=2, deadline=400)
+    assert all(r.returncode == 0 for r in results), describe(results)
+    for r in results:
+        stock, compiled = r.data["stock"], r.data["compiled"]
+        assert "MULTI_CPU" in compiled["distributed"] and (stock["compiled_layers"], compiled["compiled_layers"]) == (0, 2)
+        assert len(stock["losses"]) == 2 and compiled["losses"] == pytest.approx(stock["losses"], rel=1e-4, abs=1e-6)
+        for name, values in stock["weights"].items():
+            assert compiled["weights"][name] == pytest.approx(values, rel=1e-4, abs=1e-6), name
+    assert results[0].data["compiled"]["weights"] == results[1].data["compiled"]["weights"], "DDP kept the ranks equal"
+    assert any(any(v != 0 for v in w) for n, w in results[0].data["stock"]["weights"].items() if "lora_B" in n)
