@@ -1,11 +1,11 @@
 """The policy's decoder layers compiled for the training forward and backward (``apply(compile_training=True)``).
 
-In the H200 GRPO step the training phase runs at ~3x the time of its matmuls: per decoder layer the
-eager forward launches ~90 kernels (PEFT's dropout, scaling and add around each of the seven adapted
-projections, RMSNorm and RoPE as chains of elementwise kernels), three times over with gradient
-checkpointing (forward, recomputation, backward), and at small batches each launch also costs host
-time. Compiled (inductor), a layer's elementwise chains become a few fused kernels; the matmuls stay
-library calls.
+In the H200 GRPO step the training phase runs at ~3x the time of its matmuls: the eager decoder layer
+is chains of small kernels (PEFT's dropout, scaling and add around each of the seven adapted
+projections, RMSNorm and RoPE as elementwise sequences), run three times with gradient checkpointing
+(forward, recomputation, backward): ~27k launches per step outside the decode loop at batch 192 in
+the fourth session's profile, and at small batches each launch also costs host time. Compiled
+(inductor), a layer's elementwise chains become a few fused kernels; the matmuls stay library calls.
 
 One compiled function serves every layer (the layer is an argument, so its weights are graph inputs),
 compiled with dynamic shapes: a run compiles one graph at its first training forward (and one for its
@@ -62,10 +62,11 @@ def _subclass(cls: type) -> type:
 
 
 def _decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks the model names in ``_no_split_modules`` (transformers' decoder layers)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    names = set(getattr(base, "_no_split_modules", None) or ())
-    return [m for m in model.modules() if type(m).__name__ in names or getattr(type(m), _MARK, False)]
+    """The repeated blocks transformers' models in ``model`` name in ``_no_split_modules`` (their decoder
+    layers), whatever wraps them (PEFT, DDP). The compiled subclasses keep those names."""
+    modules = list(model.modules())
+    names = {n for m in modules for n in (getattr(m, "_no_split_modules", None) or ())}
+    return [m for m in modules if type(m).__name__ in names]
 
 
 def compiled_layers(model: nn.Module) -> list[nn.Module]:

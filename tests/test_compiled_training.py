@@ -123,6 +123,7 @@ def test_layers_switch_once_keep_their_class_name_and_a_deep_copy_runs_its_own_w
         twin.eval(), model.eval()
         assert not torch.equal(twin(input_ids=ids(6)).logits, model(input_ids=ids(6)).logits)
     assert len(compiled_layers(twin)) == 2
+    assert enable_compiled_training(nn.ModuleDict({"module": twin})) == 2, "found through a wrapper (DDP's .module)"
     with pytest.warns(UserWarning, match="names no decoder layers"):
         assert enable_compiled_training(nn.Sequential(nn.Linear(2, 2))) == 0
 

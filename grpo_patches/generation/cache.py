@@ -51,4 +51,5 @@ class StaticCachePool:
         """Drop the caches; ``keep_graphs``: keep the captured graphs (each is replayed only over caches
         back at its recorded addresses) but forget a failed capture, which the next caches may not repeat."""
         self.caches = {}
-        self.graphs = {k: v for k, v in self.graphs.items() if getattr(v, "graph", None) is not None} if keep_graphs else {}
+        kept = self.graphs if keep_graphs else {}
+        self.graphs = {k: v for k, v in kept.items() if getattr(v, "graph", None) is not None}
