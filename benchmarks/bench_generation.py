@@ -8,8 +8,9 @@ with a random (nonzero) B, batch 8, 256 new tokens (every row runs to the end: m
   (static cache, compiled decode step, eval mode) on the paths of ``--paths``: transformers' decode
   loop (``fast``), the graph loop from the merged LoRA buffer (``graph``, the default config), the
   graph loop with the adapter's matmuls (``graph_unmerged``: ``merge_lora=False``), with the caches
-  and buffer kept between calls (``graph_kept``), and with inductor's combo kernels (``graph_combo``)
-  or coordinate-descent tuning (``graph_cdt``) for the fused step. Reports ms per decode step, its multiple of the
+  and buffer kept between calls (``graph_kept``), and with inductor's combo kernels (``graph_combo``),
+  coordinate-descent tuning (``graph_cdt``) or GEMM autotuning with fused prologues / epilogues
+  (``graph_autotune``) for the fused step. Reports ms per decode step, its multiple of the
   floor (every weight and the full static cache read once per step at 4.8 TB/s), the first compiled
   call (compilation), recompilations over later calls with other prompt lengths, and the merged
   buffer's size and allocations. The graph loop does not implement ``min_new_tokens``, so its
@@ -238,7 +239,11 @@ def bench_generate(name: str, args, device, dtype) -> dict:
                    # inductor options for the fused step (fewer launches?): horizontal fusion of independent
                    # small kernels (the K and V cache writes, q's and k's RoPE), and Triton configs tuned per kernel
                    "graph_combo": dataclasses.replace(graph_config, options={"combo_kernels": True}),
-                   "graph_cdt": dataclasses.replace(graph_config, options={"coordinate_descent_tuning": True})}
+                   "graph_cdt": dataclasses.replace(graph_config, options={"coordinate_descent_tuning": True}),
+                   # Triton GEMM templates where they win, with pointwise prologues / epilogues fused into them
+                   "graph_autotune": dataclasses.replace(graph_config, options={
+                       "max_autotune": True, "max_autotune_gemm_backends": "ATEN,TRITON",
+                       "epilogue_fusion": True, "prologue_fusion": True})}
     for label, config in graph_paths.items():
         if label not in paths:
             continue
@@ -294,7 +299,7 @@ def bench_generate(name: str, args, device, dtype) -> dict:
     return res
 
 
-GRAPH_PATHS = ("graph", "graph_model", "graph_unmerged", "graph_kept", "graph_combo", "graph_cdt")
+GRAPH_PATHS = ("graph", "graph_model", "graph_unmerged", "graph_kept", "graph_combo", "graph_cdt", "graph_autotune")
 
 
 def profile_decode(model, config, batch: int, length: int, vocab: int, new: int, device) -> dict:
@@ -618,6 +623,7 @@ def main(argv=None) -> int:
                            ("graph kept ms/step", "graph_kept_ms_per_decode_step"),
                            ("graph combo kernels ms/step", "graph_combo_ms_per_decode_step"),
                            ("graph coordinate descent ms/step", "graph_cdt_ms_per_decode_step"),
+                           ("graph autotune + prologue fusion ms/step", "graph_autotune_ms_per_decode_step"),
                            ("graph speed-up vs eager", "speedup_graph"),
                            ("first graph call s (compile)", "graph_first_call_s"),
                            ("graph recompiles after warm-up", "graph_recompiles_after_warmup"),

@@ -8,7 +8,8 @@
 #   bash benchmarks/issue16_overhead_session.sh 2   # GPU tests; the 1-GPU step side by side with stock (1.5B, 0.5B): the
 #                                                   # kit, the kit with the decode graph kept between rounds (keep_graph)
 #   bash benchmarks/issue16_overhead_session.sh 3   # 24 GiB probes with the graph kept: lean kit at 256, kit at 192;
-#                                                   # decode at batch 8 with inductor's combo kernels / coordinate descent
+#                                                   # decode at batch 8 with inductor's combo kernels / coordinate descent /
+#                                                   # GEMM autotuning with fused prologues
 #   bash benchmarks/issue16_overhead_session.sh 4   # compile_training: its tests on the GPU; the 1-GPU step (stock, kit,
 #                                                   # kit + compiled layers, kit + lean + kept graph + compiled layers,
 #                                                   # 2 warm-up steps: the first compiles)
@@ -42,7 +43,7 @@ case $part in
       --out $R/24gb-1.5b"
   }
   job 24gb 270 "$(probe patched-graph-lean-kg 256 4 140); $(probe patched-graph-kg 192 4 120)"; wait
-  job decode-options 200 "python3 benchmarks/bench_generation.py --policy 1.5b --paths graph,graph_combo,graph_cdt \
+  job decode-options 290 "python3 benchmarks/bench_generation.py --policy 1.5b --paths graph,graph_combo,graph_cdt,graph_autotune \
     --repeats 1 --out $R/decode-options.json"; wait
   ;;
 4)
