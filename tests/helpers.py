@@ -114,3 +114,23 @@ def quiet() -> None:
     warnings.filterwarnings("ignore")
     for name in ("transformers", "trl", "accelerate", "datasets", "peft"):
         logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def patched_vendored_trainer(**apply_kw: Any):
+    """The vendored DeepSeekMath-style trainer on the tiny LoRA policy, built under ``apply(targets=("vendored",),
+    **apply_kw)`` (reverted afterwards: the options stay with the built trainer)."""
+    import warnings
+
+    from peft import get_peft_model
+
+    import grpo_patches
+    from grpo_patches.vendored.dsm_grpo import DSMGRPOConfig, DSMGRPOTrainer
+
+    grpo_patches.apply(targets=("vendored",), **apply_kw)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return DSMGRPOTrainer(get_peft_model(tiny_policy(), lora()), tiny_tokenizer(), target_share,
+                                  DSMGRPOConfig(max_new_tokens=4))
+    finally:
+        grpo_patches.revert()

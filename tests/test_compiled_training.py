@@ -18,7 +18,16 @@ from torch import nn
 import grpo_patches
 from grpo_patches import compiled_training
 from grpo_patches.compiled_training import check_layout, compiled_layers, enable_compiled_training
-from tests.helpers import grpo_args, lora, prompt_dataset, quiet, target_share, tiny_policy, tiny_tokenizer
+from tests.helpers import (
+    grpo_args,
+    lora,
+    patched_vendored_trainer,
+    prompt_dataset,
+    quiet,
+    target_share,
+    tiny_policy,
+    tiny_tokenizer,
+)
 
 PROJ = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -197,18 +206,7 @@ def test_trl_trainer_with_compiled_layers_trains_like_stock_and_samples_eagerly(
 
 
 def test_vendored_trainer_switches_its_policy():
-    from peft import get_peft_model
-
-    from grpo_patches.vendored.dsm_grpo import DSMGRPOConfig, DSMGRPOTrainer
-
-    grpo_patches.apply(targets=("vendored",), compile_training=True)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            trainer = DSMGRPOTrainer(get_peft_model(tiny_policy(), lora()), tiny_tokenizer(), target_share,
-                                     DSMGRPOConfig(max_new_tokens=4))
-    finally:
-        grpo_patches.revert()
+    trainer = patched_vendored_trainer(compile_training=True)
     assert len(compiled_layers(trainer.model)) == 2
 
 

@@ -8,7 +8,6 @@ it changes a value (no autocast, another autocast dtype, DoRA, the user's own sw
 from __future__ import annotations
 
 import copy
-import warnings
 
 import pytest
 import torch
@@ -16,7 +15,16 @@ from torch import nn
 
 import grpo_patches
 from grpo_patches.lean_lora import enable_lean_lora, lean_layers
-from tests.helpers import grpo_args, lora, prompt_dataset, quiet, target_share, tiny_policy, tiny_tokenizer
+from tests.helpers import (
+    grpo_args,
+    lora,
+    patched_vendored_trainer,
+    prompt_dataset,
+    quiet,
+    target_share,
+    tiny_policy,
+    tiny_tokenizer,
+)
 
 PROJ = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -203,18 +211,7 @@ def test_trl_trainer_with_lean_lora_trains_to_stocks_bits():
 
 
 def test_vendored_trainer_hooks_its_policy():
-    from peft import get_peft_model
-
-    from grpo_patches.vendored.dsm_grpo import DSMGRPOConfig, DSMGRPOTrainer
-
-    grpo_patches.apply(targets=("vendored",), lean_lora=True)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            trainer = DSMGRPOTrainer(get_peft_model(tiny_policy(), lora()), tiny_tokenizer(), target_share,
-                                     DSMGRPOConfig(max_new_tokens=4))
-    finally:
-        grpo_patches.revert()
+    trainer = patched_vendored_trainer(lean_lora=True)
     assert len(lean_layers(trainer.model)) == 2 * len(PROJ)
 
 
