@@ -7,6 +7,7 @@ import os
 import tempfile
 from typing import Any
 
+PROJ = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]  # the pinned LoRA targets
 WORDS = ["a", "b", "c", "d", "e", "f", "g", "h", "say", "the", "letter", "please", "now", "and", "or"]
 SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>"]
 
@@ -134,3 +135,19 @@ def patched_vendored_trainer(**apply_kw: Any):
                                   DSMGRPOConfig(max_new_tokens=4))
     finally:
         grpo_patches.revert()
+
+
+def live_lora_policy(dropout: float, *, dtype: Any = None, layers: int = 2, **lora_kw: Any):
+    """``tiny_policy(3)`` with an r=4 LoRA adapter on every projection whose B is random (PEFT starts it
+    at zero, and an adapter that adds nothing tests nothing)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    base = tiny_policy(3, num_hidden_layers=layers)
+    model = get_peft_model(base.to(dtype) if dtype is not None else base,
+                           LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=PROJ, **lora_kw))
+    torch.manual_seed(4)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.2)
+    return model

@@ -19,7 +19,9 @@ import grpo_patches
 from grpo_patches import compiled_training
 from grpo_patches.compiled_training import check_layout, compiled_layers, enable_compiled_training
 from tests.helpers import (
+    PROJ,
     grpo_args,
+    live_lora_policy,
     lora,
     patched_vendored_trainer,
     prompt_dataset,
@@ -29,18 +31,9 @@ from tests.helpers import (
     tiny_tokenizer,
 )
 
-PROJ = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
 
 def peft_model(dropout: float = 0.0, layers: int = 3):
-    from peft import LoraConfig, get_peft_model
-
-    model = get_peft_model(tiny_policy(3, num_hidden_layers=layers),
-                           LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=PROJ))
-    torch.manual_seed(4)
-    for name, p in model.named_parameters():
-        if "lora_B" in name:  # PEFT starts B at zero: the adapter would add nothing
-            nn.init.normal_(p, std=0.2)
+    model = live_lora_policy(dropout, layers=layers)
     model.train()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # TRL 1.x's default
     model.enable_input_require_grads()

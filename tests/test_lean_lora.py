@@ -11,12 +11,13 @@ import copy
 
 import pytest
 import torch
-from torch import nn
 
 import grpo_patches
 from grpo_patches.lean_lora import enable_lean_lora, lean_layers
 from tests.helpers import (
+    PROJ,
     grpo_args,
+    live_lora_policy,
     lora,
     patched_vendored_trainer,
     prompt_dataset,
@@ -26,19 +27,9 @@ from tests.helpers import (
     tiny_tokenizer,
 )
 
-PROJ = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
 
 def peft_model(dropout: float, *, dtype=torch.bfloat16, **lora_kw):
-    from peft import LoraConfig, get_peft_model
-
-    model = get_peft_model(tiny_policy(3).to(dtype), LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout,
-                                                               target_modules=PROJ, **lora_kw))
-    torch.manual_seed(4)
-    for name, p in model.named_parameters():
-        if "lora_B" in name:  # PEFT starts B at zero: the adapter would add nothing
-            nn.init.normal_(p, std=0.2)
-    return model
+    return live_lora_policy(dropout, dtype=dtype, **lora_kw)
 
 
 def dropout_inputs(model) -> list[torch.dtype]:
