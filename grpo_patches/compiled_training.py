@@ -3,8 +3,9 @@
 In the H200 GRPO step the training phase runs at ~3x the time of its matmuls: the eager decoder layer
 is chains of small kernels (PEFT's dropout, scaling and add around each of the seven adapted
 projections, RMSNorm and RoPE as elementwise sequences), run three times with gradient checkpointing
-(forward, recomputation, backward): ~27k launches per step outside the decode loop at batch 192 in
-the fourth session's profile, and at small batches each launch also costs host time. Compiled
+(forward, recomputation, backward): of the 132.8k kernel launches of one profiled step at batch 192
+(fourth session), ~105k were the 257 decode steps' and the rest (~27k) mostly this; at small batches
+each launch also costs host time. Compiled
 (inductor), a layer's elementwise chains become a few fused kernels; the matmuls stay library calls.
 
 One compiled function serves every layer (the layer is an argument, so its weights are graph inputs),
