@@ -75,9 +75,12 @@ def compiled_layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if getattr(type(m), _MARK, False)]
 
 
-def enable_compiled_training(model: nn.Module) -> int:
+def enable_compiled_training(model: nn.Module, accelerator: Any = None) -> int:
     """Switch every decoder layer of ``model`` (once) to the compiled training forward; returns how
-    many layers run it. A model without named decoder layers is left alone, with a warning (0)."""
+    many layers run it. ``accelerator``: the trainer's, whose layout :func:`check_layout` checks first.
+    A model without named decoder layers is left alone, with a warning (0)."""
+    if accelerator is not None:
+        check_layout(accelerator)
     layers = _decoder_layers(model)
     for layer in layers:
         if not getattr(type(layer), _MARK, False):

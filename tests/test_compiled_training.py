@@ -163,8 +163,6 @@ def _trainer(**apply_kw):
 
 
 def test_trl_trainer_with_compiled_layers_trains_like_stock_and_samples_eagerly(monkeypatch):
-    from grpo_patches.targets import trl_glue
-
     calls = {True: 0, False: 0}
     compiled = compiled_training._compiled_forward
 
@@ -178,7 +176,7 @@ def test_trl_trainer_with_compiled_layers_trains_like_stock_and_samples_eagerly(
 
     monkeypatch.setattr(compiled_training, "_compiled_forward", counting)
     checked = []
-    monkeypatch.setattr(trl_glue, "check_layout", checked.append)
+    monkeypatch.setattr(compiled_training, "check_layout", checked.append)
     runs = {}
     for name, kw in {"stock": {}, "compiled": {"compile_training": True}}.items():
         trainer = _trainer(**kw)

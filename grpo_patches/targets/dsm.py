@@ -30,7 +30,7 @@ from torch import nn
 
 from .. import options as _options
 from ..collectives import FailFastGroup
-from ..compiled_training import check_layout, enable_compiled_training
+from ..compiled_training import enable_compiled_training
 from ..generation import FAST_GEN_ATTR, FastGenerationState, fast_generate
 from ..grouping import GroupShapeError, RankLocalGroupSampler, check_group_shape, nearest_valid_settings
 from ..lean_lora import enable_lean_lora
@@ -89,8 +89,7 @@ def wrap_init(wrapped, instance, args, kwargs):
     if opts.lean_lora:
         enable_lean_lora(instance.model)
     if opts.compile_training:
-        check_layout(instance.accelerator)
-        enable_compiled_training(instance.model)
+        enable_compiled_training(instance.model, instance.accelerator)
 
 
 def wrap_create_groups(wrapped, instance, args, kwargs):

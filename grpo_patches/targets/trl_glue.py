@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ..collectives import FailFastGroup
-from ..compiled_training import check_layout, enable_compiled_training
+from ..compiled_training import enable_compiled_training
 from ..grouping import RankLocalGroupSampler, check_group_shape, epoch_of_state
 from ..lean_lora import enable_lean_lora
 from ..liveness import watching
@@ -146,8 +146,7 @@ def init_wrapper(shape_of: Callable[[Any], GroupShape], *,
         if options.lean_lora:
             enable_lean_lora(instance.model)
         if options.compile_training:
-            check_layout(instance.accelerator)
-            enable_compiled_training(instance.model)
+            enable_compiled_training(instance.model, instance.accelerator)
 
     return _init
 
