@@ -16,3 +16,9 @@ trl_wheels() {  # the wheels the device image lacks (carried in .whl/sharded), t
   python3 -c "import torch, transformers, peft, trl; print(torch.__version__, transformers.__version__, \
 peft.__version__, trl.__version__)" | tee "$R/versions.txt"
 }
+probe24() {  # probe24 VARIANT BATCH STEPS TIMEOUT [SUBDIR]: the command of one 24 GiB probe at BATCH only (1.5B,
+             # checkpointing on, a fresh launch), results under $R/SUBDIR (default 24gb-1.5b)
+  echo "python3 benchmarks/bench_grpo.py --find-max-batch --nproc 1 --mem-cap-gb 24 --policy 1.5b --grad-ckpt on \
+    --variants $1 --start-batch $2 --max-batch-limit $2 --no-bisect --probe-steps $3 --probe-timeout $4 \
+    --out $R/${5:-24gb-1.5b}"
+}

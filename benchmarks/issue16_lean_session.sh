@@ -16,28 +16,23 @@ mkdir -p "$R"
 TAG=issue16l
 . benchmarks/device_jobs.sh
 trl_wheels
-probe() {  # probe VARIANT BATCH STEPS TIMEOUT: one 24 GiB probe at BATCH only, a fresh launch
-  echo "python3 benchmarks/bench_grpo.py --find-max-batch --nproc 1 --mem-cap-gb 24 --policy 1.5b --grad-ckpt on \
-    --variants $1 --start-batch $2 --max-batch-limit $2 --no-bisect --probe-steps $3 --probe-timeout $4 \
-    --out $R/24gb-1.5b"
-}
 case $part in
 1)
   job gpu-tests 90 "python3 -m pytest -q -p no:cacheprovider tests/test_lean_lora.py"; wait
-  job 24gb 470 "$(probe patched-graph 192 5 105); $(probe patched-graph-lean 192 5 105); \
-    $(probe patched-graph-lean 224 4 125); $(probe patched-graph-lean 160 5 95)"
+  job 24gb 470 "$(probe24 patched-graph 192 5 105); $(probe24 patched-graph-lean 192 5 105); \
+    $(probe24 patched-graph-lean 224 4 125); $(probe24 patched-graph-lean 160 5 95)"
   ;;
 2)
   job grpo-1.5b 290 "GPUS=1 POLICY=1.5b VARIANTS=stock,patched-graph,patched-graph-lean STEPS=3 BUDGET_S=285 \
     BENCH_OUT=$R/1gpu-1.5b bash benchmarks/run_bench.sh"; wait
-  job train-kernels 150 "BENCH_KERNELS=training_step BENCH_PROFILE_DIR=$R/train-kernels-lean $(probe patched-graph-lean 192 3 140 | sed 's#24gb-1.5b#24gb-profile#')"
+  job train-kernels 150 "BENCH_KERNELS=training_step BENCH_PROFILE_DIR=$R/train-kernels-lean $(probe24 patched-graph-lean 192 3 140 24gb-profile)"
   ;;
 3)  # stock beside the lean kit under the same cap, in one call: stock at its largest batch and one above it,
     # the lean kit one step above its 224
-  job 24gb-stock 420 "$(probe stock 192 5 160); $(probe stock 208 3 110); $(probe patched-graph-lean 240 4 130)"
+  job 24gb-stock 420 "$(probe24 stock 192 5 160); $(probe24 stock 208 3 110); $(probe24 patched-graph-lean 240 4 130)"
   ;;
 4)  # where the lean kit stops fitting
-  job 24gb-lean-max 260 "$(probe patched-graph-lean 256 4 130); $(probe patched-graph-lean 288 3 120)"
+  job 24gb-lean-max 260 "$(probe24 patched-graph-lean 256 4 130); $(probe24 patched-graph-lean 288 3 120)"
   ;;
 *) echo "part must be 1 to 4" >&2; exit 2 ;;
 esac

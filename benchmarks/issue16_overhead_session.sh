@@ -37,12 +37,7 @@ case $part in
   job grpo-0.5b 170 "$(bench 1gpu-0.5b stock,patched-graph,patched-graph-kg 0.5b 3 165)"; wait
   ;;
 3)
-  probe() {  # probe VARIANT BATCH STEPS TIMEOUT: one 24 GiB probe at BATCH only, a fresh launch
-    echo "python3 benchmarks/bench_grpo.py --find-max-batch --nproc 1 --mem-cap-gb 24 --policy 1.5b --grad-ckpt on \
-      --variants $1 --start-batch $2 --max-batch-limit $2 --no-bisect --probe-steps $3 --probe-timeout $4 \
-      --out $R/24gb-1.5b"
-  }
-  job 24gb 270 "$(probe patched-graph-lean-kg 256 4 140); $(probe patched-graph-kg 192 4 120)"; wait
+  job 24gb 270 "$(probe24 patched-graph-lean-kg 256 4 140); $(probe24 patched-graph-kg 192 4 120)"; wait
   job decode-options 290 "python3 benchmarks/bench_generation.py --policy 1.5b --paths graph,graph_combo,graph_cdt,graph_autotune \
     --repeats 1 --out $R/decode-options.json"; wait
   ;;
@@ -51,12 +46,8 @@ case $part in
   job grpo-1.5b-compiled 330 "WARMUP=2 $(bench 1gpu-1.5b-compiled stock,patched-graph,patched-graph-compiled,patched-graph-lean-kg-compiled 1.5b 3 325)"; wait
   ;;
 5)
-  probe() {
-    echo "python3 benchmarks/bench_grpo.py --find-max-batch --nproc 1 --mem-cap-gb 24 --policy 1.5b --grad-ckpt on \
-      --variants $1 --start-batch $2 --max-batch-limit $2 --no-bisect --probe-steps $3 --probe-timeout $4 \
-      --out $R/24gb-1.5b-compiled"
-  }
-  job 24gb-compiled 400 "$(probe patched-graph-lean-kg-compiled 160 5 190); $(probe patched-graph-lean-kg-compiled 256 4 200)"; wait
+  job 24gb-compiled 400 "$(probe24 patched-graph-lean-kg-compiled 160 5 190 24gb-1.5b-compiled); \
+    $(probe24 patched-graph-lean-kg-compiled 256 4 200 24gb-1.5b-compiled)"; wait
   ;;
 *) echo "part must be 1 to 5" >&2; exit 2 ;;
 esac
