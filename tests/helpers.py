@@ -117,6 +117,23 @@ def quiet() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
+def patched_trl_trainer(args: Any, **apply_kw: Any):
+    """TRL's ``GRPOTrainer`` on ``tiny_policy(5)`` with the tiny LoRA and the target-letter reward, built under
+    ``apply(**apply_kw)`` (reverted afterwards: the options stay with the built trainer)."""
+    from trl import GRPOTrainer
+
+    import grpo_patches
+
+    quiet()
+    grpo_patches.revert()
+    grpo_patches.apply(**apply_kw)
+    try:
+        return GRPOTrainer(model=tiny_policy(5), reward_funcs=target_share, train_dataset=prompt_dataset(),
+                           processing_class=tiny_tokenizer(), peft_config=lora(), args=args)
+    finally:
+        grpo_patches.revert()
+
+
 def patched_vendored_trainer(**apply_kw: Any):
     """The vendored DeepSeekMath-style trainer on the tiny LoRA policy, built under ``apply(targets=("vendored",),
     **apply_kw)`` (reverted afterwards: the options stay with the built trainer)."""

@@ -22,13 +22,8 @@ from tests.helpers import (
     PROJ,
     grpo_args,
     live_lora_policy,
-    lora,
+    patched_trl_trainer,
     patched_vendored_trainer,
-    prompt_dataset,
-    quiet,
-    target_share,
-    tiny_policy,
-    tiny_tokenizer,
 )
 
 
@@ -149,17 +144,7 @@ def test_compile_training_must_be_a_bool_and_fsdp_or_deepspeed_are_refused():
 
 
 def _trainer(**apply_kw):
-    from trl import GRPOTrainer
-
-    quiet()
-    grpo_patches.revert()
-    grpo_patches.apply(**apply_kw)
-    try:
-        return GRPOTrainer(model=tiny_policy(5), reward_funcs=target_share, train_dataset=prompt_dataset(),
-                           processing_class=tiny_tokenizer(), peft_config=lora(),
-                           args=grpo_args(max_steps=2, gradient_checkpointing=True))
-    finally:
-        grpo_patches.revert()
+    return patched_trl_trainer(grpo_args(max_steps=2, gradient_checkpointing=True), **apply_kw)
 
 
 def test_trl_trainer_with_compiled_layers_trains_like_stock_and_samples_eagerly(monkeypatch):

@@ -18,13 +18,9 @@ from tests.helpers import (
     PROJ,
     grpo_args,
     live_lora_policy,
-    lora,
+    patched_trl_trainer,
     patched_vendored_trainer,
-    prompt_dataset,
-    quiet,
-    target_share,
     tiny_policy,
-    tiny_tokenizer,
 )
 
 
@@ -166,17 +162,7 @@ def test_lean_lora_must_be_a_bool():
 
 
 def _trainer(**apply_kw):
-    from trl import GRPOTrainer
-
-    quiet()
-    grpo_patches.revert()
-    grpo_patches.apply(**apply_kw)
-    try:
-        return GRPOTrainer(model=tiny_policy(5), reward_funcs=target_share, train_dataset=prompt_dataset(),
-                           processing_class=tiny_tokenizer(), peft_config=lora(),
-                           args=grpo_args(bf16=True, max_steps=2))
-    finally:
-        grpo_patches.revert()
+    return patched_trl_trainer(grpo_args(bf16=True, max_steps=2), **apply_kw)
 
 
 def test_trl_trainer_with_lean_lora_trains_to_stocks_bits():
