@@ -81,6 +81,11 @@ def enable_compiled_training(model: nn.Module, accelerator: Any = None) -> int:
     A model without named decoder layers is left alone, with a warning (0)."""
     if accelerator is not None:
         check_layout(accelerator)
+    if torch.cuda.is_available():
+        # Inductor initializes CUDA when it first compiles, i.e. inside the first checkpointed layer forward,
+        # which torch.utils.checkpoint refuses ("device state was initialized in the forward pass"): a model
+        # trained on the CPU of a machine with a GPU. Initialized here, before any forward (no-op when done).
+        torch.cuda.init()
     layers = _decoder_layers(model)
     for layer in layers:
         if not getattr(type(layer), _MARK, False):

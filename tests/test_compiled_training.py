@@ -186,20 +186,35 @@ def test_vendored_trainer_switches_its_policy():
     assert len(compiled_layers(trainer.model)) == 2
 
 
+def test_cuda_is_initialized_before_the_first_checkpointed_forward_compiles(monkeypatch):
+    """On a machine with a GPU, inductor's first compilation initializes CUDA; inside a checkpointed forward
+    (a CPU model there) torch.utils.checkpoint raises. enable_compiled_training initializes it first."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "init", lambda: calls.append("init"))
+    with pytest.warns(UserWarning, match="names no decoder layers"):
+        enable_compiled_training(nn.Sequential(nn.Linear(2, 2)))
+    assert calls == ["init"]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (inductor's Triton kernels)")
-def test_gpu_compiled_layers_under_bf16_autocast_stay_within_bf16_rounding_of_eager():
+def test_gpu_compiled_layers_under_bf16_autocast_are_as_close_to_fp32_as_eager_bf16():
+    """Under bf16 autocast both sides round; the compiled layers' gradients may round differently from
+    eager's, not be further from the fp32 gradients than bf16 allows (on CPU, inductor's bf16 came within
+    2.4x of eager bf16's relative error; a dropped adapter or a wrong weight is ~100%)."""
     eager = peft_model().cuda()
     compiled = copy.deepcopy(eager)
     enable_compiled_training(compiled)
     for n, length in enumerate((9, 13, 17)):
         batch = ids(length, n).cuda()
+        loss_r, grads_r = step(eager, batch)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss_e, grads_e = step(eager, batch)
             loss_c, grads_c = step(compiled, batch)
-        torch.testing.assert_close(loss_c, loss_e, rtol=2e-2, atol=1e-3)
-        for name, grad in grads_e.items():  # bf16 matmuls on both sides; fused elementwise rounds once
-            scale = grad.abs().max().clamp_min(1e-6)
-            assert (grads_c[name] - grad).abs().max() / scale < 5e-2, name
+        assert (loss_c - loss_r).abs() <= 4 * (loss_e - loss_r).abs() + 1e-3
+        for name, ref in grads_r.items():
+            error_e, error_c = ((g[name] - ref).norm() / ref.norm() for g in (grads_e, grads_c))
+            assert error_c <= 4 * error_e + 1e-3, (name, float(error_c), float(error_e))
 
 
 @pytest.mark.distributed

@@ -200,16 +200,28 @@ def _stepwise(step: Callable, args: tuple, n_steps: int, chunk: int, unfinished:
 
 
 def _capture(step: Callable, args: tuple, chunk: int) -> tuple[Any, int]:
-    """One real step on a side stream (compilation, lazy initialization), then ``chunk`` steps captured;
-    returns the graph and the memory reserved during the capture (its private pool)."""
+    """One real step on a side stream (compilation, lazy initialization), then ``chunk`` steps captured
+    on it; returns the graph and the memory reserved during the capture (its private pool).
+
+    ``CUDAGraph.capture_begin`` / ``capture_end`` rather than the ``torch.cuda.graph`` context, whose entry
+    empties the allocator's cache: at every capture that handed each freed block (the released caches and
+    merged buffer, the training phase's activations) back to the driver, so the next round's caches came
+    back at other addresses (a kept graph captured again) and the training phase allocated its
+    activations from the driver again (cudaMalloc) in each step that followed a capture.
+    """
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         step(*args)
-    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     reserved = torch.cuda.memory_reserved()
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        for _ in range(chunk):
-            step(*args)
+    with torch.cuda.stream(side):
+        graph.capture_begin(capture_error_mode="thread_local")
+        try:
+            for _ in range(chunk):
+                step(*args)
+        finally:
+            graph.capture_end()
+    torch.cuda.current_stream().wait_stream(side)
     return graph, torch.cuda.memory_reserved() - reserved
