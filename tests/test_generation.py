@@ -1084,6 +1084,59 @@ def test_gpu_fused_loop_is_one_cuda_graph_per_check_every_tokens_captured_once_a
         assert stats.captures == captures0 + expected and not generation._MERGED[model].chunks
 
 
+def test_capture_keeps_the_allocator_cache_unless_short_of_room_and_tries_once_more_after_running_out(monkeypatch):
+    """The fused loop's capture (CUDA only: its torch.cuda calls recorded here with stand-ins). The cache is
+    emptied only where the device lacks room for the pool the last capture took (``torch.cuda.graph``
+    empties it at every capture, so the next round's caches moved), and after a capture that ran out of
+    memory, which is tried once more; every capture begun is ended."""
+    from contextlib import nullcontext
+
+    from grpo_patches.generation import fused_loop
+
+    log, reserved, free, fraction, fail = [], [0], [10_000], [1.0], []
+
+    class Graph:
+        def capture_begin(self, capture_error_mode):
+            log.append("begin")
+
+        def capture_end(self):
+            log.append("end")
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    for name, value in {"Stream": Stream, "current_stream": Stream, "stream": lambda s: nullcontext(),
+                        "synchronize": lambda: None, "CUDAGraph": Graph, "memory_reserved": lambda: reserved[0],
+                        "empty_cache": lambda: log.append("empty_cache"), "mem_get_info": lambda: (free[0], 10_000),
+                        "get_per_process_memory_fraction": lambda: fraction[0]}.items():
+        monkeypatch.setattr(torch.cuda, name, value, raising=False)
+
+    def step():
+        if "begin" in log[-1:] + log[-2:-1] and fail:  # inside a capture
+            fail.pop()
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (stand-in)")
+        reserved[0] += 10
+
+    def capture(need):
+        log.clear()
+        reserved[0] = 0
+        return fused_loop._capture(step, (), 4, need)[1], list(log)
+
+    assert capture(0) == (40, ["begin", "end"]), "no need known: the cache stays"
+    assert capture(40) == (40, ["begin", "end"]), "room for the pool beside the cache"
+    free[0] = 30
+    assert capture(40) == (40, ["empty_cache", "begin", "end"]), "short of free memory"
+    free[0], fraction[0] = 10_000, 0.004  # within the process's fraction: 40 - 10 (the warm-up step's)
+    assert capture(40) == (40, ["empty_cache", "begin", "end"]), "short within the memory fraction"
+    fraction[0], fail[:] = 1.0, [True]
+    assert capture(0) == (40, ["begin", "end", "empty_cache", "begin", "end"]), "out of memory: emptied, again"
+    fail[:] = [True, True]
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        capture(0)
+    assert log == ["begin", "end", "empty_cache", "begin", "end"]
+
+
 @gpu
 @pytest.mark.slow
 def test_gpu_kept_graph_is_replayed_exactly_while_caches_and_buffer_are_back_at_its_addresses(monkeypatch):

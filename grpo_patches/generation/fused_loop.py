@@ -96,6 +96,7 @@ class _Captured:
     state: tuple  # tokens, position_ids, cache_position, key_mask, unfinished, out, t
     graph: Any = None
     addresses: tuple = ()
+    pool_bytes: int = 0  # what the last capture reserved (its private pool)
 
 
 def _addresses(tensors: list[torch.Tensor]) -> tuple:
@@ -158,8 +159,8 @@ def fused_decode(model: Any, decoder: FusedDecoder, cache: Any, first: torch.Ten
         if entry.graph is None or entry.addresses != addresses:
             started = time.perf_counter()
             try:
-                entry.graph, stats.graph_pool_bytes = _capture(step, args, chunk)  # one real step first (warm-up)
-                entry.addresses = addresses
+                entry.graph, entry.pool_bytes = _capture(step, args, chunk, entry.pool_bytes or stats.graph_pool_bytes)
+                entry.addresses, stats.graph_pool_bytes = addresses, entry.pool_bytes
                 done = 1
                 stats.captures += 1
             except Exception as exc:  # noqa: BLE001 - a graph is a speed-up: decode step by step instead
@@ -199,21 +200,33 @@ def _stepwise(step: Callable, args: tuple, n_steps: int, chunk: int, unfinished:
     return out, done
 
 
-def _capture(step: Callable, args: tuple, chunk: int) -> tuple[Any, int]:
+def _capture(step: Callable, args: tuple, chunk: int, need: int = 0) -> tuple[Any, int]:
     """One real step on a side stream (compilation, lazy initialization), then ``chunk`` steps captured
-    on it; returns the graph and the memory reserved during the capture (its private pool).
+    on it; returns the graph and the memory reserved during the capture (its private pool). ``need``: the
+    pool an earlier capture of this entry (or, for a new entry, the last capture) took; 0: none yet.
 
-    ``CUDAGraph.capture_begin`` / ``capture_end`` rather than the ``torch.cuda.graph`` context, whose entry
-    empties the allocator's cache: at every capture that handed each freed block (the released caches and
-    merged buffer, the training phase's activations) back to the driver, so the next round's caches came
-    back at other addresses (a kept graph captured again) and the training phase allocated its
-    activations from the driver again (cudaMalloc) in each step that followed a capture.
+    Not the ``torch.cuda.graph`` context, whose entry empties the allocator's cache at every capture: that
+    handed each freed block (the released caches and merged buffer, the training phase's activations) back
+    to the driver, so the next round's caches came back at other addresses (a kept graph captured again)
+    and the training phase allocated from the driver again. The private pool cannot use those cached
+    blocks, though: the cache is emptied first where the device lacks room for ``need`` beside it, and
+    after a capture that ran out of memory, which is then tried once more.
     """
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         step(*args)
     torch.cuda.synchronize()
+    if need and _room() < need:
+        torch.cuda.empty_cache()
+    try:
+        return _record(step, args, chunk, side)
+    except torch.cuda.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        return _record(step, args, chunk, side)
+
+
+def _record(step: Callable, args: tuple, chunk: int, side: Any) -> tuple[Any, int]:
     graph = torch.cuda.CUDAGraph()
     reserved = torch.cuda.memory_reserved()
     with torch.cuda.stream(side):
@@ -225,3 +238,11 @@ def _capture(step: Callable, args: tuple, chunk: int) -> tuple[Any, int]:
             graph.capture_end()
     torch.cuda.current_stream().wait_stream(side)
     return graph, torch.cuda.memory_reserved() - reserved
+
+
+def _room() -> int:
+    """Bytes the allocator can still take from the device: free memory, within the process's memory
+    fraction (``torch.cuda.set_per_process_memory_fraction``, e.g. a benchmark's cap)."""
+    free, total = torch.cuda.mem_get_info()
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda: 1.0)()
+    return int(min(free, fraction * total - torch.cuda.memory_reserved()))
