@@ -14,9 +14,15 @@
 #                                                   # kit + compiled layers, kit + lean + kept graph + compiled layers,
 #                                                   # 2 warm-up steps: the first compiles)
 #   bash benchmarks/issue16_overhead_session.sh 5   # compile_training under the 24 GiB cap: lean + kept graph + compiled at 160 / 256
+# Sixth session's follow-ups (the capture without torch.cuda.graph's cache flush, the rewritten GPU tests):
+#   bash benchmarks/issue16_overhead_session.sh 6   # the GPU tests of keep_graph and compile_training (DDP included);
+#                                                   # decode at batch 8 (graph path)
+#   bash benchmarks/issue16_overhead_session.sh 7   # the 1-GPU step (stock, kit, kit + kept graph: captures per call,
+#                                                   # cudaMalloc / cudaFree); 24 GiB probes: kit + kept graph at 192,
+#                                                   # lean + kept graph at 256
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?part 1 to 5}
+part=${1:?part 1 to 7}
 R=${R:-benchmarks/results/$(date +%F)-h200-issue16-overhead}
 mkdir -p "$R"
 TAG=issue16o
@@ -49,7 +55,16 @@ case $part in
   job 24gb-compiled 400 "$(probe24 patched-graph-lean-kg-compiled 160 5 190 24gb-1.5b-compiled); \
     $(probe24 patched-graph-lean-kg-compiled 256 4 200 24gb-1.5b-compiled)"; wait
   ;;
-*) echo "part must be 1 to 5" >&2; exit 2 ;;
+6)
+  job gpu-tests-6 120 "python3 -m pytest -q -p no:cacheprovider -p no:logging tests/test_generation.py -k gpu --tb=short"; wait
+  job gpu-tests-compiled-6 330 "python3 -m pytest -q -p no:cacheprovider -p no:logging tests/test_compiled_training.py --tb=short"; wait
+  job decode-6 120 "python3 benchmarks/bench_generation.py --policy 1.5b --paths graph --repeats 1 --out $R/decode-6.json"; wait
+  ;;
+7)
+  job grpo-1.5b-7 230 "$(bench 1gpu-1.5b-7 stock,patched-graph,patched-graph-kg 1.5b 3 225)"; wait
+  job 24gb-7 300 "$(probe24 patched-graph-kg 192 4 140 24gb-1.5b-7); $(probe24 patched-graph-lean-kg 256 4 150 24gb-1.5b-7)"; wait
+  ;;
+*) echo "part must be 1 to 7" >&2; exit 2 ;;
 esac
 wait
 log "part $part done"
