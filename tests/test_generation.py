@@ -1227,7 +1227,7 @@ def test_fused_loop_whose_graph_capture_fails_decodes_step_by_step_after_the_war
     eager = eager_generate(model, ids, mask)
     attempts = []
 
-    def failing_capture(step, args, chunk):
+    def failing_capture(step, args, chunk, need):
         step(*args)  # the real warm-up step, as _capture runs it
         attempts.append(chunk)
         raise RuntimeError("simulated: operation not permitted when stream is capturing")
