@@ -58,9 +58,9 @@ case $part in
     $(probe24 patched-graph-lean-kg-compiled 256 4 200 24gb-1.5b-compiled)"; wait
   ;;
 6)
-  job gpu-tests-6 120 "python3 -m pytest -q -p no:cacheprovider -p no:logging tests/test_generation.py -k gpu --tb=short"; wait
-  job gpu-tests-compiled-6 330 "python3 -m pytest -q -p no:cacheprovider -p no:logging tests/test_compiled_training.py --tb=short"; wait
-  job decode-6 120 "python3 benchmarks/bench_generation.py --policy 1.5b --paths graph --repeats 1 --out $R/decode-6.json"; wait
+  job gpu-tests-6 110 "python3 -m pytest -q -p no:cacheprovider -p no:logging tests/test_generation.py -k gpu --tb=short"; wait
+  job gpu-tests-compiled-6 300 "python3 -m pytest -q -p no:cacheprovider -p no:logging tests/test_compiled_training.py --tb=short"; wait
+  job decode-6 110 "python3 benchmarks/bench_generation.py --policy 1.5b --paths graph --repeats 1 --out $R/decode-6.json"; wait
   ;;
 7)
   job grpo-1.5b-7 230 "$(bench 1gpu-1.5b-7 stock,patched-graph,patched-graph-kg 1.5b 3 225)"; wait
