@@ -222,8 +222,9 @@ def _capture(step: Callable, args: tuple, chunk: int, need: int = 0) -> tuple[An
     try:
         return _record(step, args, chunk, side)
     except torch.cuda.OutOfMemoryError:
-        torch.cuda.empty_cache()
-        return _record(step, args, chunk, side)
+        pass  # again outside this block: its traceback holds the failed graph, and so its pool
+    torch.cuda.empty_cache()
+    return _record(step, args, chunk, side)
 
 
 def _record(step: Callable, args: tuple, chunk: int, side: Any) -> tuple[Any, int]:
