@@ -22,9 +22,13 @@
 #                                                   # lean + kept graph at 256
 #   bash benchmarks/issue16_overhead_session.sh 8   # the CUDA kernels of one training_step by kind, everything on, batch
 #                                                   # 160 under the 24 GiB cap (where the 2.5x-floor target is missed)
+# Seventh session: the same jobs regrouped into calls of < 600 s (R=benchmarks/results/2026-12-02-h200-issue16-capture):
+#   bash benchmarks/issue16_overhead_session.sh 9   # part 8's kernel profile; the generation GPU tests; decode at batch 8
+#   bash benchmarks/issue16_overhead_session.sh 10  # the compile_training GPU tests; part 7's 1-GPU step
+#   bash benchmarks/issue16_overhead_session.sh 11  # part 7's 24 GiB probes; part 3's decode options
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?part 1 to 8}
+part=${1:?part 1 to 11}
 R=${R:-benchmarks/results/$(date +%F)-h200-issue16-overhead}
 mkdir -p "$R"
 TAG=issue16o
@@ -70,7 +74,22 @@ case $part in
   job train-kernels-8 330 "BENCH_KERNELS=training_step BENCH_PROFILE_DIR=$R/train-kernels-8 \
     $(probe24 patched-graph-lean-kg-compiled 160 3 320 24gb-profile-8)"; wait
   ;;
-*) echo "part must be 1 to 8" >&2; exit 2 ;;
+9)
+  job train-kernels-8 330 "BENCH_KERNELS=training_step BENCH_PROFILE_DIR=$R/train-kernels-8 \
+    $(probe24 patched-graph-lean-kg-compiled 160 3 320 24gb-profile-8)"; wait
+  job gpu-tests-6 110 "python3 -m pytest -q -p no:cacheprovider -p no:logging tests/test_generation.py -k gpu --tb=short"; wait
+  job decode-6 110 "python3 benchmarks/bench_generation.py --policy 1.5b --paths graph --repeats 1 --out $R/decode-6.json"; wait
+  ;;
+10)
+  job gpu-tests-compiled-6 300 "python3 -m pytest -q -p no:cacheprovider -p no:logging tests/test_compiled_training.py --tb=short"; wait
+  job grpo-1.5b-7 230 "$(bench 1gpu-1.5b-7 stock,patched-graph,patched-graph-kg 1.5b 3 225)"; wait
+  ;;
+11)
+  job 24gb-7 300 "$(probe24 patched-graph-kg 192 4 140 24gb-1.5b-7); $(probe24 patched-graph-lean-kg 256 4 150 24gb-1.5b-7)"; wait
+  job decode-options 280 "python3 benchmarks/bench_generation.py --policy 1.5b --paths graph,graph_combo,graph_cdt,graph_autotune \
+    --repeats 1 --out $R/decode-options.json"; wait
+  ;;
+*) echo "part must be 1 to 11" >&2; exit 2 ;;
 esac
 wait
 log "part $part done"
