@@ -540,9 +540,13 @@ def run_variant(args, variant: str, round_idx: int, ctx: dict[str, Any]) -> dict
     distributed = str(trainer.accelerator.distributed_type).split(".")[-1]  # NO / MULTI_GPU / FSDP / ...
     timer.instrument(trainer)
     build_s = time.perf_counter() - t_build
+    from torch._dynamo.utils import counters
+
+    graphs_before = int(counters["stats"]["unique_graphs"])
     t_train = time.perf_counter()
     trainer.train()
     train_s = time.perf_counter() - t_train
+    graphs = int(counters["stats"]["unique_graphs"]) - graphs_before  # decode step and compiled layers (if any)
     mem: dict[str, Any] = {}
     if cuda:
         torch.cuda.synchronize()
@@ -575,7 +579,7 @@ def run_variant(args, variant: str, round_idx: int, ctx: dict[str, Any]) -> dict
         "reward_placement": placement, "reward_model_on_this_rank": rm_local, "distributed": distributed,
         "fast_generation": bool(options and options.get("fast_generation")) or variant == "stock-graph",
         "config_overrides": config_overrides, "fast_generation_state": fast_state,
-        "build_s": build_s, "train_s": train_s, "steps_recorded": len(timer.steps),
+        "build_s": build_s, "train_s": train_s, "dynamo_graphs": graphs, "steps_recorded": len(timer.steps),
         "warmup_steps": [derive(s) for s in timer.steps[: args.warmup]],
         "timed_steps": derived, "summary": summary, "trainable_params": trainable, **mem,
         "floor": floor_estimate(args.policy, args.per_device_batch, ctx["prompt_tokens"], args.completion_len,
@@ -665,7 +669,7 @@ def worker(args) -> int:
             log(f"{variant} done: median step {s.get('median', float('nan')):.2f} s, peak allocated "
                 f"{(peak or 0) / GiB:.2f} GiB (rank 0), build {rec['build_s']:.1f} s, train "
                 f"{rec['train_s']:.1f} s; elapsed {time.perf_counter() - t0:.0f} s; allocator "
-                f"{rec.get('allocator')}; steps {[round(d.get('step_s') or 0, 2) for d in rec['timed_steps']]}", rank)
+                f"{rec.get('allocator')}; dynamo graphs {rec['dynamo_graphs']}; steps {[round(d.get('step_s') or 0, 2) for d in rec['timed_steps']]}", rank)
             fl = rec["floor"]
             log(f"{variant} floor: {fl['floor_s']:.3f} s per step ({fl['floor_flops'] / 1e12:.1f} TFLOP at "
                 f"{PEAK_BF16_FLOPS / 1e12:.0f} TFLOP/s, {fl['floor_decode_bytes'] / 1e9:.0f} GB of decode reads at "

@@ -26,9 +26,12 @@
 #   bash benchmarks/issue16_overhead_session.sh 9   # part 8's kernel profile; the generation GPU tests; decode at batch 8
 #   bash benchmarks/issue16_overhead_session.sh 10  # the compile_training GPU tests; part 7's 1-GPU step
 #   bash benchmarks/issue16_overhead_session.sh 11  # part 7's 24 GiB probes; part 3's decode options
+#   bash benchmarks/issue16_overhead_session.sh 12  # everything on under the 24 GiB cap at 160 and 256, with lean_lora's
+#                                                   # layers a subclass (its hooks had made compile_training run eager)
+#   bash benchmarks/issue16_overhead_session.sh 13  # the 1-GPU step at batch 8: compiled vs lean + kept graph + compiled
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?part 1 to 11}
+part=${1:?part 1 to 13}
 R=${R:-benchmarks/results/$(date +%F)-h200-issue16-overhead}
 mkdir -p "$R"
 TAG=issue16o
@@ -89,7 +92,14 @@ case $part in
   job decode-options 280 "python3 benchmarks/bench_generation.py --policy 1.5b --paths graph,graph_combo,graph_cdt,graph_autotune \
     --repeats 1 --out $R/decode-options.json"; wait
   ;;
-*) echo "part must be 1 to 11" >&2; exit 2 ;;
+12)
+  job 24gb-12 560 "$(probe24 patched-graph-lean-kg-compiled 160 5 260 24gb-1.5b-12); \
+    $(probe24 patched-graph-lean-kg-compiled 256 4 260 24gb-1.5b-12)"; wait
+  ;;
+13)
+  job grpo-1.5b-13 330 "WARMUP=2 $(bench 1gpu-1.5b-13 patched-graph-compiled,patched-graph-lean-kg-compiled 1.5b 3 325)"; wait
+  ;;
+*) echo "part must be 1 to 13" >&2; exit 2 ;;
 esac
 wait
 log "part $part done"

@@ -10,8 +10,9 @@ forward, the checkpointed recomputation and the backward, and 2-4 transient byte
 (the down projection's input is batch x sequence x intermediate): on the H200 GRPO step of the
 benchmarks the copies and the fp32 dropout were about a fifth of the training phase's kernel time.
 
-The layer then skips the copy, through PEFT's own switch (``cast_input_dtype_enabled``), for the
-call at hand and only where the equality holds: a vanilla LoRA ``Linear`` (no DoRA or other
+The layer (a subclass of PEFT's, same name) then skips the copy in its input cast (PEFT's
+``_cast_input_dtype``, where the user's ``cast_input_dtype_enabled`` switch is read), for the call at
+hand and only where the equality holds: a vanilla LoRA ``Linear`` (no DoRA or other
 variant, no per-row ``adapter_names``), dropout an ``nn.Dropout`` or none, autocast on for the
 input's device with the input's dtype, the adapter in fp32. Anywhere else PEFT's cast runs.
 
@@ -30,8 +31,8 @@ from torch import nn
 
 __all__ = ["check_supported", "enable_lean_lora", "lean_layers"]
 
-_HOOKED = "_grpo_lean_lora"  # on each hooked layer (a flag, not the handles: the model stays deep-copyable)
-_FLIPPED = "_grpo_lean_lora_flipped"  # set while a call runs with PEFT's cast switched off by the kit
+_MARK = "_grpo_lean_lora"  # class attribute of the lean subclass
+_SUBCLASSES: dict[type, type] = {}
 
 
 def _lora_linear() -> type | None:
@@ -57,9 +58,10 @@ def check_supported() -> None:
                          f"cast_input_dtype_enabled switch); peft is {installed}. Upgrade peft or drop lean_lora.")
 
 
-def _castless(module: nn.Module, x: Any, kwargs: dict) -> bool:
-    """Whether PEFT's fp32 copy of ``x`` changes nothing in this call (see the module docstring)."""
-    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or kwargs.get("adapter_names") is not None:
+def _castless(module: nn.Module, x: Any) -> bool:
+    """Whether PEFT's fp32 copy of ``x`` changes nothing in this call (see the module docstring). PEFT's
+    per-row ``adapter_names`` path casts with ``.to`` itself and never gets here."""
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         return False
     device = x.device.type
     try:
@@ -81,38 +83,43 @@ def _castless(module: nn.Module, x: Any, kwargs: dict) -> bool:
     return True
 
 
-def _before(module: nn.Module, args: tuple, kwargs: dict) -> None:
-    if args and _castless(module, args[0], kwargs):
-        module.cast_input_dtype_enabled = False
-        setattr(module, _FLIPPED, True)
+def _lean_subclass(linear: type) -> type:
+    """PEFT's ``Linear`` with an input cast that ``_castless`` skips. A subclass, not forward hooks: a
+    hook is a per-layer object that ``torch.compile`` guards on (``compile_training`` would compile one
+    graph per layer, hit dynamo's recompile limit after 8 and run the rest eager), and its flag flips are
+    side effects; this is one method of one class, with no state. Same name and qualified name as PEFT's."""
+    sub = _SUBCLASSES.get(linear)
+    if sub is None:
+        def _cast_input_dtype(self: nn.Module, x: Any, dtype: torch.dtype) -> Any:
+            if _castless(self, x):
+                return x
+            return linear._cast_input_dtype(self, x, dtype)
 
-
-def _after(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-    if getattr(module, _FLIPPED, False):  # also after an exception (always_call)
-        module.cast_input_dtype_enabled = True
-        setattr(module, _FLIPPED, False)
+        sub = type(linear.__name__, (linear,), {"_cast_input_dtype": _cast_input_dtype, _MARK: True,
+                                                "__module__": linear.__module__, "__qualname__": linear.__qualname__})
+        _SUBCLASSES[linear] = sub
+    return sub
 
 
 def lean_layers(model: nn.Module) -> list[nn.Module]:
-    """The LoRA ``Linear`` layers of ``model`` that :func:`enable_lean_lora` has hooked."""
-    return [m for m in model.modules() if getattr(m, _HOOKED, False)]
+    """The LoRA ``Linear`` layers of ``model`` that :func:`enable_lean_lora` has switched."""
+    return [m for m in model.modules() if getattr(type(m), _MARK, False)]
 
 
 def enable_lean_lora(model: nn.Module) -> int:
-    """Hook every LoRA ``Linear`` layer of ``model`` (once); returns how many layers are hooked.
+    """Switch every LoRA ``Linear`` layer of ``model`` (once) to the lean subclass; returns how many
+    layers run it.
 
-    The hooks decide per call, from the input and the autocast state, whether PEFT's input cast
-    can be skipped. A model without LoRA ``Linear`` layers is left alone, with a warning (0).
+    Its input cast decides per call, from the input and the autocast state, whether PEFT's copy can
+    be skipped. A model without LoRA ``Linear`` layers is left alone, with a warning (0).
     """
     linear = _lora_linear()
     count = 0
     for module in model.modules() if linear is not None else ():
-        if type(module) is not linear:  # subclasses (quantized, tensor-parallel) cast for their own reasons
+        if type(module) is linear:  # not other subclasses (quantized, tensor-parallel): they cast for their own reasons
+            module.__class__ = _lean_subclass(linear)
+        elif not getattr(type(module), _MARK, False):
             continue
-        if not getattr(module, _HOOKED, False):
-            module.register_forward_pre_hook(_before, with_kwargs=True)
-            module.register_forward_hook(_after, with_kwargs=True, always_call=True)
-            setattr(module, _HOOKED, True)
         count += 1
     if not count:
         warnings.warn(f"grpo_patches: lean_lora=True, but {type(model).__name__} has no LoRA Linear layer (peft's "
