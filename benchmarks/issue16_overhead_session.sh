@@ -29,9 +29,10 @@
 #   bash benchmarks/issue16_overhead_session.sh 12  # everything on under the 24 GiB cap at 160 and 256, with lean_lora's
 #                                                   # layers a subclass (its hooks had made compile_training run eager)
 #   bash benchmarks/issue16_overhead_session.sh 13  # the 1-GPU step at batch 8: compiled vs lean + kept graph + compiled
+#   bash benchmarks/issue16_overhead_session.sh 14  # the lean and compiled GPU tests at the subclass; lean + kept graph at 256
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?part 1 to 13}
+part=${1:?part 1 to 14}
 R=${R:-benchmarks/results/$(date +%F)-h200-issue16-overhead}
 mkdir -p "$R"
 TAG=issue16o
@@ -99,7 +100,12 @@ case $part in
 13)
   job grpo-1.5b-13 330 "WARMUP=2 $(bench 1gpu-1.5b-13 patched-graph-compiled,patched-graph-lean-kg-compiled 1.5b 3 325)"; wait
   ;;
-*) echo "part must be 1 to 13" >&2; exit 2 ;;
+14)
+  job gpu-tests-14 100 "python3 -m pytest -q -p no:cacheprovider -p no:logging tests/test_lean_lora.py \
+    tests/test_compiled_training.py -k 'gpu' --tb=short"; wait
+  job 24gb-14 130 "$(probe24 patched-graph-lean-kg 256 3 125 24gb-1.5b-14)"; wait
+  ;;
+*) echo "part must be 1 to 14" >&2; exit 2 ;;
 esac
 wait
 log "part $part done"
