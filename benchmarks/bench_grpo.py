@@ -774,6 +774,9 @@ def find_max_batch(args) -> int:
             tried[batch] = ok
             log(f"probe {variant} batch {batch}: {'ok' if ok else 'FAILED' + (' (OOM)' if oom else '')} "
                 f"in {time.perf_counter() - t0:.0f} s")
+            if not ok:  # where it failed (the allocator's message says what was reserved and what was asked for)
+                Path(probe_out).mkdir(parents=True, exist_ok=True)
+                (Path(probe_out) / f"failed-{variant}-b{batch}.log").write_text(output[-20000:])
             if not ok and not oom:  # not a memory failure: show why (a bisect over it would be wrong)
                 print(output[-3000:], flush=True)
             return ok

@@ -1086,9 +1086,9 @@ def test_gpu_fused_loop_is_one_cuda_graph_per_check_every_tokens_captured_once_a
 
 def test_capture_keeps_the_allocator_cache_unless_short_of_room_and_tries_once_more_after_running_out(monkeypatch):
     """The fused loop's capture (CUDA only: its torch.cuda calls recorded here with stand-ins). The cache is
-    emptied only where the device lacks room for the pool the last capture took (``torch.cuda.graph``
-    empties it at every capture, so the next round's caches moved), and after a capture that ran out of
-    memory, which is tried once more; every capture begun is ended."""
+    emptied only where less than the pool the last capture took, or a quarter of the memory the process may
+    use, is left (``torch.cuda.graph`` empties it at every capture, so the next round's caches moved), and
+    after a capture that ran out of memory, which is tried once more; every capture begun is ended."""
     from contextlib import nullcontext
 
     from grpo_patches.generation import fused_loop
@@ -1127,7 +1127,13 @@ def test_capture_keeps_the_allocator_cache_unless_short_of_room_and_tries_once_m
     assert capture(40) == (40, ["begin", "end"]), "room for the pool beside the cache"
     free[0] = 30
     assert capture(40) == (40, ["empty_cache", "begin", "end"]), "short of free memory"
-    free[0], fraction[0] = 10_000, 0.004  # within the process's fraction: 40 - 10 (the warm-up step's)
+    free[0] = 2_600
+    assert capture(40) == (40, ["begin", "end"]), "over a quarter of the device free"
+    free[0] = 2_400
+    assert capture(0) == (40, ["empty_cache", "begin", "end"]), "under a quarter free: defragmented"
+    free[0], fraction[0] = 10_000, 0.5  # within the process's fraction: 5000 - 10 (the warm-up step's) left
+    assert capture(40) == (40, ["begin", "end"]), "room within the memory fraction"
+    fraction[0] = 0.004  # 40 - 10
     assert capture(40) == (40, ["empty_cache", "begin", "end"]), "short within the memory fraction"
     fraction[0], fail[:] = 1.0, [True]
     assert capture(0) == (40, ["begin", "end", "empty_cache", "begin", "end"]), "out of memory: emptied, again"

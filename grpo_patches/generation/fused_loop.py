@@ -208,16 +208,21 @@ def _capture(step: Callable, args: tuple, chunk: int, need: int = 0) -> tuple[An
     Not the ``torch.cuda.graph`` context, whose entry empties the allocator's cache at every capture: that
     handed each freed block (the released caches and merged buffer, the training phase's activations) back
     to the driver, so the next round's caches came back at other addresses (a kept graph captured again)
-    and the training phase allocated from the driver again. The private pool cannot use those cached
-    blocks, though: the cache is emptied first where the device lacks room for ``need`` beside it, and
-    after a capture that ran out of memory, which is then tried once more.
+    and the training phase allocated from the driver again (H200, 1.5B, batch 8: the training phase 0.46
+    against 0.35 s with the cache kept). Emptying it still pays where memory is short: the private pool
+    cannot use cached blocks, and long-lived tensors allocated into the training phase's cached segments
+    fragment them (under a 24 GiB cap at batch 256, runs that fit with the cache emptied at every capture
+    ran out of memory with it kept). So the cache is emptied first where less than ``need`` or a quarter of
+    the memory the process may use (``_room``) is left, and after a capture that ran out of memory, which
+    is then tried once more.
     """
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         step(*args)
     torch.cuda.synchronize()
-    if need and _room() < need:
+    room, allowed = _room()
+    if room < max(need, allowed // 4):
         torch.cuda.empty_cache()
     try:
         return _record(step, args, chunk, side)
@@ -241,9 +246,10 @@ def _record(step: Callable, args: tuple, chunk: int, side: Any) -> tuple[Any, in
     return graph, torch.cuda.memory_reserved() - reserved
 
 
-def _room() -> int:
-    """Bytes the allocator can still take from the device: free memory, within the process's memory
-    fraction (``torch.cuda.set_per_process_memory_fraction``, e.g. a benchmark's cap)."""
+def _room() -> tuple[int, int]:
+    """``(room, allowed)``: the bytes the allocator can still take from the device (free memory, within the
+    process's memory fraction: ``torch.cuda.set_per_process_memory_fraction``, e.g. a benchmark's cap) and
+    the bytes that fraction allows in all."""
     free, total = torch.cuda.mem_get_info()
-    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda: 1.0)()
-    return int(min(free, fraction * total - torch.cuda.memory_reserved()))
+    allowed = int(getattr(torch.cuda, "get_per_process_memory_fraction", lambda: 1.0)() * total)
+    return int(min(free, allowed - torch.cuda.memory_reserved())), allowed
