@@ -211,10 +211,11 @@ def _capture(step: Callable, args: tuple, chunk: int, need: int = 0) -> tuple[An
     and the training phase allocated from the driver again (H200, 1.5B, batch 8: the training phase 0.46
     against 0.35 s with the cache kept). Emptying it still pays where memory is short: the private pool
     cannot use cached blocks, and long-lived tensors allocated into the training phase's cached segments
-    fragment them (under a 24 GiB cap at batch 256, runs that fit with the cache emptied at every capture
-    ran out of memory with it kept). So the cache is emptied first where less than ``need`` or a quarter of
-    the memory the process may use (``_room``) is left, and after a capture that ran out of memory, which
-    is then tried once more.
+    can fragment them (under a 24 GiB cap at batch 256, lean_lora + keep_graph ran out of memory with the
+    cache kept, where the same options had fit with it emptied at every capture; not separated on the
+    device from the session's other change). So the cache is emptied first where less than ``need`` or a
+    quarter of the memory the process may use (``_room``) is left, as ``torch.cuda.graph`` did, and after a
+    capture that ran out of memory, which is then tried once more.
     """
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
