@@ -13,7 +13,7 @@ The same mechanisms as TRL's adapters, on the vendored trainer's four points:
   ``num_generations`` and ``group_ids`` given to reward functions that accept them.
 * ``sample``: fast generation when ``apply(fast_generation=...)`` asks for it.
 
-``apply(lean_lora=True)`` hooks the policy's LoRA layers once the trainer is built;
+``apply(lean_lora=True)`` switches the policy's LoRA layers once the trainer is built;
 ``apply(compile_training=True)`` switches its decoder layers to the compiled training forward.
 
 The trainer's advantage code (all-gather, per-group normalization) is its own, untouched: with

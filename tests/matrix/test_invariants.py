@@ -205,12 +205,12 @@ def test_i3_default_settings_give_stocks_samples_and_advantages(ranks):
 # --- I4 -----------------------------------------------------------------------------------------
 
 @needs_adapter
-def test_lean_lora_hooks_every_lora_layer_or_is_refused_on_an_old_peft(ranks):
+def test_lean_lora_switches_every_lora_layer_or_is_refused_on_an_old_peft(ranks):
     for r in ranks:
         lean = r.data["lean"]
         if Version(lean["peft"]) >= Version("0.15"):
             assert "refusal" not in lean, lean
-            assert lean["hooked"] == lean["lora_layers"] == 14, lean  # 2 layers x 7 projections
+            assert lean["switched"] == lean["lora_layers"] == 14, lean  # 2 layers x 7 projections
         else:  # the LoRA layer casts unconditionally there: the option would change nothing
             assert "lean_lora=True needs peft >= 0.15" in lean["refusal"], lean
 

@@ -434,7 +434,7 @@ def lean_lora_check() -> dict:
         kit.enable_kit()
     layers = [m for m in trainer.model.modules() if type(m).__name__ == "Linear" and hasattr(m, "lora_A")]
     out["lora_layers"] = len(layers)
-    out["hooked"] = sum(bool(getattr(m, "_grpo_lean_lora", False)) for m in layers)
+    out["switched"] = sum(bool(getattr(m, "_grpo_lean_lora", False)) for m in layers)
     return out
 
 
