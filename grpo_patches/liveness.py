@@ -229,8 +229,11 @@ class _Monitor:
             failed = None if store_lost else self._posted_failure()
             if failed is not None:
                 return failed
-            if time.monotonic() >= deadline:  # checked after the read, so the verdict gets one more look
-                return None
+            if time.monotonic() >= deadline:
+                # A read of a store whose host just died blocks for its reconnect timeout (~5 s), often past
+                # the deadline, while the thread sees the store go: its verdict gets one last look.
+                with self.lock:
+                    return self.verdict(self.confirm)
             time.sleep(self.interval)
 
     def _posted_failure(self) -> tuple[int, str] | None:

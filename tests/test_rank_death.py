@@ -130,3 +130,29 @@ def test_only_collective_errors_wait_for_a_verdict():
     assert not _lost_peer(reset)
     assert not _lost_peer(ConnectionResetError("Connection reset by peer"))  # e.g. a logger's upload
     assert not _lost_peer(RuntimeError("CUDA out of memory"))
+
+
+def test_a_store_read_that_outlasts_the_wait_still_gets_the_verdict():
+    """Rank 0 (the store's host) killed: the survivor's read of the store blocks for its reconnect timeout,
+    past the wait's end, while the liveness thread sees the store go; the verdict still names rank 0 (the
+    survivor once re-raised the bare CollectiveTimeoutError here, on a loaded machine)."""
+    import threading
+
+    from grpo_patches.liveness import _Monitor
+
+    monitor = _Monitor.__new__(_Monitor)  # no thread, no store: the main thread's wait alone
+    monitor.rank, monitor.world_size, monitor.address = 1, 2, ("127.0.0.1", 29500)
+    monitor.set_timeout(1.0)
+    monitor.lock, monitor.seen, monitor.armed, monitor.judging = threading.Lock(), {}, True, False
+    monitor.store_lost_since, monitor.store_error = None, ""
+
+    def blocked_read():  # as a read of the dead store does; meanwhile the thread's failed tick is recorded
+        time.sleep(1.2)
+        with monitor.lock:
+            monitor.store_lost_since, monitor.store_error = time.monotonic() - 1.2, "DistNetworkError: reset"
+        return None
+
+    monitor._posted_failure = blocked_read
+    named = monitor.name_the_lost()
+    assert named is not None and named[0] == 0, named
+    assert "rendezvous store" in named[1] and "vanished" in named[1], named

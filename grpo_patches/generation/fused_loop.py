@@ -208,8 +208,8 @@ def _capture(step: Callable, args: tuple, chunk: int, need: int = 0) -> tuple[An
     Not the ``torch.cuda.graph`` context, whose entry empties the allocator's cache at every capture: that
     handed each freed block (the released caches and merged buffer, the training phase's activations) back
     to the driver, so the next round's caches came back at other addresses (a kept graph captured again)
-    and the training phase allocated from the driver again (H200, 1.5B, batch 8: the training phase 0.46
-    against 0.35 s with the cache kept). Emptying it still pays where memory is short: the private pool
+    and the training phase allocated from the driver again (H200, 1.5B, batch 8: the training phase took
+    0.46-0.48 s in one session's runs, 0.35 s, stock's, with the cache kept in the next). Emptying it still pays where memory is short: the private pool
     cannot use cached blocks, and long-lived tensors allocated into the training phase's cached segments
     can fragment them (under a 24 GiB cap at batch 256, lean_lora + keep_graph ran out of memory with the
     cache kept, where the same options had fit with it emptied at every capture; not separated on the
