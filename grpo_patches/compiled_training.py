@@ -28,6 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .swapped import same_name_subclass
+
 __all__ = ["check_layout", "compiled_layers", "enable_compiled_training"]
 
 _MARK = "_grpo_compiled_training"  # class attribute of the compiled subclasses
@@ -47,8 +49,8 @@ def _compiled_forward() -> Any:
 
 
 def _subclass(cls: type) -> type:
-    """``cls`` with a forward that takes the compiled function when autograd is on. Same name and
-    qualified name (checks by class name, e.g. FSDP's wrap policy, see the model's own class)."""
+    """``cls`` with a forward that takes the compiled function when autograd is on; same name, picklable
+    (``swapped``)."""
     sub = _SUBCLASSES.get(cls)
     if sub is None:
         def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -56,8 +58,7 @@ def _subclass(cls: type) -> type:
                 return _compiled_forward()(self, *args, **kwargs)
             return cls.forward(self, *args, **kwargs)
 
-        sub = type(cls.__name__, (cls,), {"forward": forward, _MARK: True, "__module__": cls.__module__,
-                                          "__qualname__": cls.__qualname__})
+        sub = same_name_subclass(cls, _subclass, {"forward": forward, _MARK: True})
         _SUBCLASSES[cls] = sub
     return sub
 

@@ -29,6 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .swapped import same_name_subclass
+
 __all__ = ["check_supported", "enable_lean_lora", "lean_layers"]
 
 _MARK = "_grpo_lean_lora"  # class attribute of the lean subclass
@@ -87,7 +89,7 @@ def _lean_subclass(linear: type) -> type:
     """PEFT's ``Linear`` with an input cast that ``_castless`` skips. A subclass, not forward hooks: a
     hook is a per-layer object that ``torch.compile`` guards on (``compile_training`` would compile one
     graph per layer, hit dynamo's recompile limit after 8 and run the rest eager), and its flag flips are
-    side effects; this is one method of one class, with no state. Same name and qualified name as PEFT's."""
+    side effects; this is one method of one class, with no state. Same name as PEFT's (``swapped``)."""
     sub = _SUBCLASSES.get(linear)
     if sub is None:
         def _cast_input_dtype(self: nn.Module, x: Any, dtype: torch.dtype) -> Any:
@@ -95,8 +97,7 @@ def _lean_subclass(linear: type) -> type:
                 return x
             return linear._cast_input_dtype(self, x, dtype)
 
-        sub = type(linear.__name__, (linear,), {"_cast_input_dtype": _cast_input_dtype, _MARK: True,
-                                                "__module__": linear.__module__, "__qualname__": linear.__qualname__})
+        sub = same_name_subclass(linear, _lean_subclass, {"_cast_input_dtype": _cast_input_dtype, _MARK: True})
         _SUBCLASSES[linear] = sub
     return sub
 
