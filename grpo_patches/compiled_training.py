@@ -33,7 +33,6 @@ from .swapped import same_name_subclass
 __all__ = ["check_layout", "compiled_layers", "enable_compiled_training"]
 
 _MARK = "_grpo_compiled_training"  # class attribute of the compiled subclasses
-_SUBCLASSES: dict[type, type] = {}
 _compiled: Any = None
 
 
@@ -51,16 +50,12 @@ def _compiled_forward() -> Any:
 def _subclass(cls: type) -> type:
     """``cls`` with a forward that takes the compiled function when autograd is on; same name, picklable
     (``swapped``)."""
-    sub = _SUBCLASSES.get(cls)
-    if sub is None:
-        def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-            if torch.is_grad_enabled():
-                return _compiled_forward()(self, *args, **kwargs)
-            return cls.forward(self, *args, **kwargs)
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if torch.is_grad_enabled():
+            return _compiled_forward()(self, *args, **kwargs)
+        return cls.forward(self, *args, **kwargs)
 
-        sub = same_name_subclass(cls, _subclass, {"forward": forward, _MARK: True})
-        _SUBCLASSES[cls] = sub
-    return sub
+    return same_name_subclass(cls, _subclass, {"forward": forward, _MARK: True})
 
 
 def _decoder_layers(model: nn.Module) -> list[nn.Module]:

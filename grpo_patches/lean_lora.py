@@ -34,7 +34,6 @@ from .swapped import same_name_subclass
 __all__ = ["check_supported", "enable_lean_lora", "lean_layers"]
 
 _MARK = "_grpo_lean_lora"  # class attribute of the lean subclass
-_SUBCLASSES: dict[type, type] = {}
 
 
 def _lora_linear() -> type | None:
@@ -90,16 +89,12 @@ def _lean_subclass(linear: type) -> type:
     hook is a per-layer object that ``torch.compile`` guards on (``compile_training`` would compile one
     graph per layer, hit dynamo's recompile limit after 8 and run the rest eager), and its flag flips are
     side effects; this is one method of one class, with no state. Same name as PEFT's (``swapped``)."""
-    sub = _SUBCLASSES.get(linear)
-    if sub is None:
-        def _cast_input_dtype(self: nn.Module, x: Any, dtype: torch.dtype) -> Any:
-            if _castless(self, x):
-                return x
-            return linear._cast_input_dtype(self, x, dtype)
+    def _cast_input_dtype(self: nn.Module, x: Any, dtype: torch.dtype) -> Any:
+        if _castless(self, x):
+            return x
+        return linear._cast_input_dtype(self, x, dtype)
 
-        sub = same_name_subclass(linear, _lean_subclass, {"_cast_input_dtype": _cast_input_dtype, _MARK: True})
-        _SUBCLASSES[linear] = sub
-    return sub
+    return same_name_subclass(linear, _lean_subclass, {"_cast_input_dtype": _cast_input_dtype, _MARK: True})
 
 
 def lean_layers(model: nn.Module) -> list[nn.Module]:
