@@ -281,6 +281,7 @@ ORIGINAL = {"raise": r"ZeroDivisionError: injected in recording_reward", "wrongl
 
 def assert_failed_everywhere(outcomes: list[dict], kind: str) -> None:
     for out in outcomes:
+        assert "error" not in out, f"the child failed before its fault: {out['error']}"
         msg = out["raised"] or ""
         assert out.get("remote"), f"not the kit's RemoteFailureError: {out}"
         assert "recording_reward" in msg and f"rank {out['bad_rank']}" in msg, msg
