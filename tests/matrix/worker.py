@@ -60,7 +60,7 @@ REWARD_TIMEOUT = 2.0  # the sleep children's; the kit's exchanges then time out 
 # timeout, inside GRPOTrainer.__init__. The faults there raise at once, so nothing waits on it.
 MAIN_TIMEOUT = 120.0
 # Still alive this long after its fault began: hung (the bound the kit promises). The kit fails in ~0.4 s past
-# reward_timeout here; once a loaded CI machine (2 cores, 12+ processes) took 5.25 s, hence 7; a kit that fell
+# reward_timeout here; once, on a loaded 2-core machine (12+ processes), it took 5.25 s, hence 7; a kit that fell
 # back on its exchanges' own timeout (2 + 15 + 0.2 s) still misses it.
 HANG_BOUND = REWARD_TIMEOUT + 7.0
 CHUNK = 4  # reward_chunk_size: smaller than a rank's batch (8), two groups of G=2 per call
