@@ -30,14 +30,12 @@
 #                                                   # layers a subclass (its hooks had made compile_training run eager)
 #   bash benchmarks/issue16_overhead_session.sh 13  # the 1-GPU step at batch 8: compiled vs lean + kept graph + compiled
 #   bash benchmarks/issue16_overhead_session.sh 14  # the lean and compiled GPU tests at the subclass; lean + kept graph at 256
-# Left for a session with device time (the eighth had none), with the capture's quarter rule (fused_loop._capture):
-#   bash benchmarks/issue16_overhead_session.sh 15  # 24 GiB probes: lean + kept graph at 256, the defaults at 192; part 3's
-#                                                   # decode options (combo kernels, coordinate descent, autotuning)
-#   bash benchmarks/issue16_overhead_session.sh 16  # everything on under the cap at 160 (the 2.5x-floor row) and 256
-#   bash benchmarks/issue16_overhead_session.sh 17  # part 8's kernel table of training_step at 160, layers compiled
+# Left for a session with device time (the eighth had none): parts 11, 12 and 8 again, with a new R, at the capture's
+# quarter rule (fused_loop._capture): the 24 GiB probes and the decode options, everything on at 160 / 256, the
+# kernel table of training_step at 160 with the layers compiled.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?part 1 to 17}
+part=${1:?part 1 to 14}
 R=${R:-benchmarks/results/$(date +%F)-h200-issue16-overhead}
 mkdir -p "$R"
 TAG=issue16o
@@ -110,20 +108,7 @@ case $part in
     tests/test_compiled_training.py -k 'gpu' --tb=short"; wait
   job 24gb-14 130 "$(probe24 patched-graph-lean-kg 256 3 125 24gb-1.5b-14)"; wait
   ;;
-15)
-  job 24gb-15 300 "$(probe24 patched-graph-lean-kg 256 3 140 24gb-1.5b-15); $(probe24 patched-graph 192 4 150 24gb-1.5b-15)"; wait
-  job decode-options 280 "python3 benchmarks/bench_generation.py --policy 1.5b --paths graph,graph_combo,graph_cdt,graph_autotune \
-    --repeats 1 --out $R/decode-options.json"; wait
-  ;;
-16)
-  job 24gb-16 560 "$(probe24 patched-graph-lean-kg-compiled 160 5 260 24gb-1.5b-16); \
-    $(probe24 patched-graph-lean-kg-compiled 256 4 260 24gb-1.5b-16)"; wait
-  ;;
-17)
-  job train-kernels-17 330 "BENCH_KERNELS=training_step BENCH_PROFILE_DIR=$R/train-kernels-17 \
-    $(probe24 patched-graph-lean-kg-compiled 160 3 320 24gb-profile-17)"; wait
-  ;;
-*) echo "part must be 1 to 17" >&2; exit 2 ;;
+*) echo "part must be 1 to 14" >&2; exit 2 ;;
 esac
 wait
 log "part $part done"
