@@ -4,14 +4,28 @@ from __future__ import annotations
 
 import socket
 
+from tests import launch
 from tests.launch import _ephemeral_low, free_port
 
 
-def test_free_ports_lie_below_the_ephemeral_range_and_are_never_handed_out_twice():
+def test_free_ports_lie_below_the_ephemeral_range_and_are_free():
     # bind(0) ports are ephemeral: an outgoing connection could take one before its world listens (CI's
-    # EADDRINUSE in a fault child); and one world's port must not be promised to another
+    # EADDRINUSE in a fault child)
     ports = [free_port() for _ in range(50)]
     assert all(10000 <= p < _ephemeral_low() for p in ports), ports
-    assert len(set(ports)) == len(ports), ports
     with socket.socket() as s:  # and it really is free
         s.bind(("127.0.0.1", ports[-1]))
+
+
+def test_a_port_handed_out_once_is_not_handed_out_again(monkeypatch):
+    # free until its world listens: a second draw of it must be skipped, not promised to another world
+    first = free_port()
+    draws = iter([first, first, first + 1 if first + 1 < _ephemeral_low() else first - 1])
+
+    class Scripted:
+        def randrange(self, *_):
+            return next(draws)
+
+    monkeypatch.setattr(launch.random, "SystemRandom", Scripted)
+    assert free_port() != first
+    assert next(draws, None) is None  # it drew the repeat twice and took the third
