@@ -9,6 +9,7 @@
     nox -s mutations                    # planted bugs (tests/mutations.toml) must each fail their guards
     nox -t fork                         # every release's fork patch, applied, grpo_patches absent
     nox -s fork-0.15.2                  # tests/matrix in fork mode against one release's patched TRL
+    nox -t fork-ci                      # the fork releases CI runs: one per group of identical edits + newest
 
 Each session builds a fresh uv venv (hard links from uv's cache: about 2 s per release once the cache
 is warm), installs CPU torch first (uncapped; torch is never part of the pinned set), then TRL and
@@ -27,6 +28,7 @@ Every session exports GRPO_PATCHES_TRL_VERSION (the TRL release under test) to t
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import os
 import re
@@ -139,7 +141,9 @@ for _trl, _row in COMPAT["supported"].items():
 
 
 def _fork_session(trl: str, row: dict[str, str]) -> None:
-    @nox.session(name=f"fork-{trl}", tags=["fork", f"fork-{row['era']}"], reuse_venv=False, default=False)
+    tags = ["fork", f"fork-{row['era']}"] + (["fork-ci"] if trl in _FORK_CI else [])
+
+    @nox.session(name=f"fork-{trl}", tags=tags, reuse_venv=False, default=False)
     def fork(session: nox.Session) -> None:
         # The release's pinned set, pytest, and NOTHING of this repo: tests/fork/drive.py applies
         # patches/trl-<release>.patch to this venv's TRL, then tests/matrix runs in fork mode (I1-I6 on
@@ -159,6 +163,30 @@ def _fork_session(trl: str, row: dict[str, str]) -> None:
                     "tests/matrix (I1-I6) in fork mode")
 
 
+def _edit_signature(trl: str) -> str:
+    """What patches/trl-<release>.patch adds and removes, without context lines, hunk positions or the
+    release's own version string: releases with the same signature get the same edits to the same code."""
+    patch = ROOT / "patches" / f"trl-{trl}.patch"
+    if not patch.exists():
+        return f"missing:{trl}"
+    changed = [line.replace(trl, "<release>") for line in patch.read_text().splitlines()
+               if line[:1] in "+-" and not line.startswith(("+++", "---"))]
+    return hashlib.sha256("\n".join(changed).encode()).hexdigest()
+
+
+def fork_ci_releases() -> list[str]:
+    """The fork releases CI runs: the first release of each group of identical edit signatures, and the newest.
+    Every release's patch is still checked for exact application (check-patches --fresh), and every release's
+    behaviour under the same kit code by the version matrix; the fork run adds what the edits do."""
+    releases = [t for t in COMPAT["supported"] if t not in COMPAT.get("grpo_free", [])]
+    releases.sort(key=lambda v: tuple(int(p) for p in v.split(".")))
+    first: dict[str, str] = {}
+    for trl in releases:
+        first.setdefault(_edit_signature(trl), trl)
+    return sorted({*first.values(), releases[-1]}, key=lambda v: tuple(int(p) for p in v.split(".")))
+
+
+_FORK_CI = fork_ci_releases()
 for _trl, _row in COMPAT["supported"].items():
     if _trl not in COMPAT.get("grpo_free", []):
         _fork_session(_trl, _row)

@@ -4,6 +4,8 @@ guard it, and fail if any mutation survives.
     python tests/mutations.py                 # every mutation in tests/mutations.toml
     python tests/mutations.py --only chunk-size-ignored,group-ids-zero
     python tests/mutations.py --list
+    python tests/mutations.py --stale         # only those whose record is missing or stale; updates it
+    python tests/mutations.py --ci --sample 3 # CI: every record fresh, and a rotating sample run again
     nox -s mutations                          # the same, in the newest release's pinned environment
 
 Why a small script and not mutmut: the bugs worth planting here are specific (a chunk size ignored,
@@ -20,11 +22,22 @@ failed), ``survived`` (all guards passed: the suite misses the bug), ``error`` (
 the guards: collection error, no tests, timeout). Any outcome but ``killed`` fails the run. A baseline
 run of every guard on the unmutated copy comes first (``--no-baseline`` skips it): a guard that fails
 without a mutation would "kill" everything.
+
+Incremental, as Stryker's incremental mode and mutmut's cache do: every killed mutation is recorded in
+``tests/mutations.lock.json`` under a key, the hash of what decides its outcome (the entry itself, its target
+file, its guard test files and the support modules beside them, and the TRL release and pins it ran against).
+The record is committed. ``--stale`` runs only the entries whose record is missing or whose key changed and
+writes the new records; the suite (``tests/test_mutation_list.py``) fails while any record is missing or stale,
+so a change to a target or a guard is re-proven before it lands. ``--ci`` runs nothing stale (it fails on a
+missing or stale record) and re-runs a rotating sample (``--sample N``, by the UTC day) so that a record that
+no longer holds is caught within a few days; the full run stays one command.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import hashlib
 import json
 import os
 import shutil
@@ -38,6 +51,8 @@ import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 LIST = ROOT / "tests" / "mutations.toml"
+RECORD = ROOT / "tests" / "mutations.lock.json"
+COMPAT = ROOT / "grpo_patches" / "compat.json"
 COPIED = ("grpo_patches", "tests", "pyproject.toml")
 TIMEOUT_S = 600
 
@@ -65,6 +80,58 @@ def check_anchor(entry: dict, root: Path = ROOT) -> str:
             f"re-anchor it in {LIST.relative_to(ROOT)}:\n{entry['find']!r}"
         )
     return text
+
+
+def _newest_release() -> tuple[str, dict]:
+    supported = json.loads(COMPAT.read_text())["supported"]
+    newest = max(supported, key=lambda v: tuple(int(p) for p in v.split(".")))
+    return newest, supported[newest]
+
+
+def key_files(entry: dict, root: Path = ROOT) -> list[str]:
+    """What decides the entry's outcome besides the entry: its target, its guard test files, and the support
+    modules the guards run (the non-test modules beside each guard file, tests/workers/, tests' helpers)."""
+    files = {entry["file"]}
+    for guard in entry["guards"]:
+        path = root / guard.partition("::")[0]
+        files.add(path.relative_to(root).as_posix())
+        support = [*path.parent.glob("*.py"), *(root / "tests" / "workers").glob("*.py"),
+                   root / "tests" / "helpers.py", root / "tests" / "launch.py"]
+        for f in support:
+            if f.is_file() and not f.name.startswith("test_") and f.name != "mutations.py":
+                files.add(f.relative_to(root).as_posix())
+    return sorted(files)
+
+
+def key(entry: dict, root: Path = ROOT) -> str:
+    """The record key: a hash of the entry, the files it depends on and the release it runs against."""
+    release, row = _newest_release()
+    trl = os.environ.get("GRPO_PATCHES_TRL_VERSION", release)
+    h = hashlib.sha256(json.dumps({k: entry[k] for k in ("id", "file", "find", "replace", "guards")},
+                                  sort_keys=True).encode())
+    h.update(json.dumps({"trl": trl, "pins": row if trl == release else None}, sort_keys=True).encode())
+    for name in key_files(entry, root):
+        h.update(b"\0" + name.encode() + b"\0" + (root / name).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def read_record(path: Path = RECORD) -> dict[str, dict]:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def stale(entries: list[dict], record: dict[str, dict]) -> list[str]:
+    """Ids whose record is missing, or was made for other files, another entry text or another release."""
+    return [e["id"] for e in entries if record.get(e["id"], {}).get("key") != key(e)]
+
+
+def rotating_sample(entries: list[dict], n: int, day: int | None = None) -> list[dict]:
+    """``n`` entries, a different window of the sorted list each UTC day, so every entry comes round."""
+    if n <= 0 or not entries:
+        return []
+    ordered = sorted(entries, key=lambda e: e["id"])
+    day = datetime.datetime.now(datetime.timezone.utc).toordinal() if day is None else day
+    start = (day * n) % len(ordered)
+    return [ordered[(start + i) % len(ordered)] for i in range(min(n, len(ordered)))]
 
 
 def make_copy(entry: dict | None) -> Path:
@@ -118,23 +185,45 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--list", action="store_true", help="list the mutations and their guards, run nothing")
     parser.add_argument("--no-baseline", action="store_true", help="skip the unmutated run of every guard")
     parser.add_argument("--report", type=Path, help="write the outcomes as JSON here")
+    parser.add_argument("--stale", action="store_true",
+                        help=f"run only the entries whose record in {RECORD.name} is missing or stale")
+    parser.add_argument("--ci", action="store_true",
+                        help="fail on any missing or stale record; run only the rotating sample (--sample)")
+    parser.add_argument("--sample", type=int, default=0, metavar="N",
+                        help="also run N entries whose record is fresh, a different window each UTC day")
+    parser.add_argument("--no-record", action="store_true", help=f"leave {RECORD.name} as it is")
     args = parser.parse_args(argv)
     entries = load()
+    for e in entries:  # every anchor first: a moved anchor stops the run before any test runs
+        check_anchor(e)
+    record = read_record()
+    behind = stale(entries, record)
+    if args.ci and behind:
+        print(f"{len(behind)} mutation record(s) missing or stale in {RECORD.relative_to(ROOT)}: {', '.join(behind)}\n"
+              "run `python tests/mutations.py --stale` (or `nox -s mutations -- --stale`) and commit the record")
+        return 1
     if args.only:
         wanted = args.only.split(",")
         unknown = set(wanted) - {e["id"] for e in entries}
         if unknown:
             raise SystemExit(f"unknown mutation ids: {sorted(unknown)}")
-        entries = [e for e in entries if e["id"] in wanted]
-    for e in entries:  # every anchor first: a moved anchor stops the run before any test runs
-        check_anchor(e)
+        chosen = [e for e in entries if e["id"] in wanted]
+    elif args.stale or args.ci:
+        chosen = [e for e in entries if e["id"] in behind]
+        fresh = [e for e in entries if e["id"] not in behind]
+        chosen += rotating_sample(fresh, args.sample)
+    else:
+        chosen = entries
     if args.list:
-        for e in entries:
-            print(f"{e['id']:32} {e['file']:36} {e['bug']}\n{'':32} guards: {' '.join(e['guards'])}")
+        for e in chosen:
+            mark = "stale" if e["id"] in behind else "fresh"
+            print(f"{e['id']:32} {e['file']:36} [{mark}] {e['bug']}\n{'':32} guards: {' '.join(e['guards'])}")
         return 0
+    if args.ci or args.stale:
+        print(f"{len(behind)} stale, running {len(chosen)}: {', '.join(e['id'] for e in chosen) or 'none'}", flush=True)
     results = []
-    if not args.no_baseline:
-        guards = list(dict.fromkeys(g for e in entries for g in e["guards"]))
+    if not args.no_baseline and chosen:
+        guards = list(dict.fromkeys(g for e in chosen for g in e["guards"]))
         copy = make_copy(None)
         imports_the_copy(copy)
         outcome, seconds, tail = run_guards(copy, guards)
@@ -144,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
             print(tail)
             return 2
     total = time.monotonic()
-    for e in entries:
+    for e in chosen:
         copy = make_copy(e)
         imports_the_copy(copy)
         outcome, seconds, tail = run_guards(copy, e["guards"])
@@ -155,8 +244,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{status:8} {seconds:5.0f} s  {e['id']}: {e['bug']}", flush=True)
         if status != "killed":
             print(tail)
+            record.pop(e["id"], None)
+        else:
+            record[e["id"]] = {"key": key(e), "seconds": round(seconds, 1),
+                               "trl": os.environ.get("GRPO_PATCHES_TRL_VERSION", _newest_release()[0])}
     killed = sum(r["status"] == "killed" for r in results)
     print(f"\n{killed}/{len(results)} mutations killed in {time.monotonic() - total:.0f} s")
+    if not args.no_record and not args.ci and results:
+        known = {e["id"] for e in entries}
+        RECORD.write_text(json.dumps({k: record[k] for k in sorted(record) if k in known}, indent=1) + "\n")
+        print(f"record: {RECORD.relative_to(ROOT)} ({sum(k in known for k in record)} of {len(entries)} entries)")
     if args.report:
         args.report.write_text(json.dumps(results, indent=1) + "\n")
     return 0 if killed == len(results) else 1
