@@ -19,7 +19,9 @@ from grpo_patches.preflight import (
     PreflightError,
     PreflightWarning,
     RewardModelSpec,
+    count,
     count_parameters,
+    estimate,
     preflight,
 )
 
@@ -62,10 +64,10 @@ def test_hand_count_equals_peft_on_the_meta_model(lora):
 
 
 def test_configs_the_hand_count_cannot_do_go_through_peft():
-    assert not pf._is_plain_lora(lora_config(modules_to_save=["lm_head"]))
-    assert not pf._is_plain_lora(lora_config(target_modules="all-linear"))
-    assert not pf._is_plain_lora(lora_config(use_dora=True))
-    assert pf._is_plain_lora(lora_config())
+    assert not count._is_plain_lora(lora_config(modules_to_save=["lm_head"]))
+    assert not count._is_plain_lora(lora_config(target_modules="all-linear"))
+    assert not count._is_plain_lora(lora_config(use_dora=True))
+    assert count._is_plain_lora(lora_config())
 
 
 def test_trainable_share_follows_the_lora_config():
@@ -125,7 +127,7 @@ def test_steps_per_generation_counts_toward_the_rank_local_rule():
 def test_components_follow_the_documented_formulas():
     report = quiet_preflight("qwen2.5-0.5b", grpo_config=SMALL, prompt_length=64)
     rank = report.ranks[0]
-    c, counts, arch = rank.components, report.params, pf._arch(pf.load_model_config("qwen2.5-0.5b"))
+    c, counts, arch = rank.components, report.params, count.architecture(pf.load_model_config("qwen2.5-0.5b"))
     assert c["weights"] == counts.frozen * 2
     assert c["lora_params"] == 4 * counts.trainable and c["optimizer_state"] == 8 * counts.trainable
     seqs, length = 4 * 1, 64 + 128
@@ -146,7 +148,7 @@ def test_fast_generation_counts_its_static_cache_and_merged_buffer_while_samplin
                            fast_generation={"release_after_sampling": False}).ranks[0]
     unmerged = quiet_preflight("qwen2.5-0.5b", grpo_config=SMALL, prompt_length=70,
                                fast_generation={"merge_lora": False}).ranks[0]
-    arch = pf._arch(pf.load_model_config("qwen2.5-0.5b"))
+    arch = count.architecture(pf.load_model_config("qwen2.5-0.5b"))
     static = 2 * arch.kv * (128 + 128) * 4 * 2 * arch.layers  # prompt 70 rounded up to 128, + 128 new tokens
     params = pf.count_parameters(pf.load_model_config("qwen2.5-0.5b"))
     merged = params.adapted * 2  # bf16: the seven projections of every layer once more
@@ -180,7 +182,7 @@ def test_merged_buffer_bytes_equal_the_buffer_measured_on_the_h200():
 def test_lean_lora_drops_the_fp32_input_copy_where_stock_peft_makes_one():
     from peft import LoraConfig
 
-    arch = pf._arch(pf.load_model_config("qwen2.5-0.5b"))
+    arch = count.architecture(pf.load_model_config("qwen2.5-0.5b"))
     tokens = 4 * (64 + 128)
     stock = quiet_preflight("qwen2.5-0.5b", grpo_config=SMALL, prompt_length=64).ranks[0]
     lean = quiet_preflight("qwen2.5-0.5b", grpo_config=SMALL, prompt_length=64, lean_lora=True).ranks[0]
@@ -234,7 +236,7 @@ def test_reward_model_placement():
     local = quiet_preflight("qwen2-1.5b", grpo_config=SMALL, world_size=4, reward_models=[rm])
     main = quiet_preflight("qwen2-1.5b", grpo_config=SMALL, world_size=4, reward_models=[rm],
                            reward_placement="main")
-    rm_bytes = pf._count_reward_model(pf.load_model_config("qwen2.5-0.5b")) * 2
+    rm_bytes = count.count_reward_model(pf.load_model_config("qwen2.5-0.5b")) * 2
     assert [r.components["reward_weights"] for r in local.ranks] == [rm_bytes] * 4
     assert [r.components["reward_weights"] for r in main.ranks] == [rm_bytes, 0, 0, 0]
     assert main.ranks[1].peak < local.ranks[1].peak
@@ -329,9 +331,9 @@ def test_small_headroom_is_advice_not_error():
 ])
 def test_activation_coefficients_match_a_cpu_measurement(kind, shape, dtype, autocast, act):
     hidden, inter, heads, kv_heads = shape
-    arch = pf._Arch(layers=1, hidden=hidden, intermediate=inter, heads=heads, kv_heads=kv_heads,
+    arch = count.Arch(layers=1, hidden=hidden, intermediate=inter, heads=heads, kv_heads=kv_heads,
                     head_dim=hidden // heads, vocab=64, model_type=kind, moe=False)
-    predicted = pf._layer_bytes_per_token(arch, act, dropout=True, device="cpu")
+    predicted = estimate.layer_bytes_per_token(arch, act, dropout=True, device="cpu")
     measured = measured_layer_bytes(kind, hidden, inter, heads, kv_heads, dtype, autocast)
     assert predicted == pytest.approx(measured, rel=0.10)
 

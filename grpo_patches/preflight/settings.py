@@ -1,0 +1,169 @@
+"""Resolve: the run's settings as preflight reads them, from a GRPO config, a dict or a namespace.
+
+The first stage of the pipeline (see :mod:`grpo_patches.preflight`): the model config (object, dict,
+config.json, preset), the GRPO settings and their names, dtypes, the logits path of the installed TRL,
+and the reward models.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["PRESETS", "RewardModelSpec", "check_setting_names", "detect_logits_mode", "dtype_bytes", "dtype_name",
+           "load_model_config", "reward_specs", "setting", "valid_setting_names"]
+
+_DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2, "float64": 8}
+
+
+#: Public architecture numbers, so `grpo-patches doctor --model llama-3.1-70b` needs no file.
+PRESETS: dict[str, dict[str, Any]] = {
+    "llama-3.1-70b": dict(model_type="llama", hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                          num_attention_heads=64, num_key_value_heads=8, vocab_size=128256,
+                          max_position_embeddings=131072, rope_theta=500000.0, tie_word_embeddings=False),
+    "llama-3.1-8b": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                         max_position_embeddings=131072, rope_theta=500000.0, tie_word_embeddings=False),
+    "qwen2-1.5b": dict(model_type="qwen2", hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                       num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
+                       max_position_embeddings=32768, rope_theta=1000000.0, tie_word_embeddings=True),
+    "qwen2.5-0.5b": dict(model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                         num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
+                         max_position_embeddings=32768, rope_theta=1000000.0, tie_word_embeddings=True),
+}
+
+
+@dataclasses.dataclass
+class RewardModelSpec:
+    """A learned reward model: its config (object, dict, config.json path or preset name), dtype and
+    scoring chunk (completions per forward; None = one rank's generation batch)."""
+
+    config: Any
+    dtype: str = "bfloat16"
+    batch_size: int | None = None
+    name: str | None = None
+
+
+
+# ----------------------------------------------------------------------------------- inputs
+
+
+def load_model_config(model_config: Any) -> Any:
+    """A transformers config from a config object, a dict, a config.json path / folder or a preset name."""
+    import transformers
+
+    if isinstance(model_config, transformers.PretrainedConfig):
+        return model_config
+    if isinstance(model_config, str) and model_config.lower() in PRESETS:
+        model_config = PRESETS[model_config.lower()]
+    if isinstance(model_config, (str, os.PathLike)):
+        path = Path(model_config)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"grpo_patches.preflight: no config at {str(model_config)!r}; give a config.json path, a folder "
+                f"holding one, a transformers config object, or a preset ({', '.join(PRESETS)})."
+            )
+        model_config = json.loads(path.read_text())
+    if isinstance(model_config, Mapping):
+        d = dict(model_config)
+        model_type = d.pop("model_type", None)
+        if model_type is None:
+            raise ValueError("grpo_patches.preflight: a config dict needs a 'model_type' (e.g. 'llama').")
+        return transformers.AutoConfig.for_model(model_type, **d)
+    raise TypeError(f"grpo_patches.preflight: cannot read a model config from {type(model_config).__name__}.")
+
+
+def setting(cfg: Any, name: str, default: Any) -> Any:
+    if cfg is None:
+        return default
+    value = cfg.get(name, default) if isinstance(cfg, Mapping) else getattr(cfg, name, default)
+    return default if value is None else value
+
+
+#: The GRPO settings preflight reads (also valid where the installed TRL lacks them, e.g. an older
+#: release's max_prompt_length); any field of the installed ``trl.GRPOConfig`` is valid too.
+_READ_SETTINGS = frozenset({
+    "per_device_train_batch_size", "gradient_accumulation_steps", "steps_per_generation", "generation_batch_size",
+    "num_generations", "num_generations_eval", "max_completion_length", "max_prompt_length",
+    "gradient_checkpointing", "bf16", "fp16", "model_init_kwargs", "optim", "eval_strategy",
+    "per_device_eval_batch_size", "use_vllm", "ds3_gather_for_generation", "beta",
+})
+
+
+def valid_setting_names() -> frozenset[str]:
+    """GRPO setting names preflight and ``grpo-patches doctor --set`` accept."""
+    try:
+        import trl
+
+        fields = {f.name for f in dataclasses.fields(trl.GRPOConfig)}
+    except Exception:  # TRL absent or broken: the names preflight reads
+        fields = set()
+    return _READ_SETTINGS | fields
+
+
+def check_setting_names(settings: Any) -> None:
+    """Refuse a misspelt GRPO setting (a dict's keys or a namespace's attributes) with close matches.
+
+    A built ``GRPOConfig`` (a dataclass) cannot carry unknown names, so it is not checked.
+    """
+    if settings is None or dataclasses.is_dataclass(settings):
+        return
+    names = list(settings) if isinstance(settings, Mapping) else list(vars(settings))
+    valid = valid_setting_names()
+    unknown = [n for n in names if n not in valid]
+    if not unknown:
+        return
+    import difflib
+
+    hints = []
+    for name in unknown:
+        close = difflib.get_close_matches(str(name), sorted(valid), n=3, cutoff=0.6)
+        hints.append(f"{name!r}" + (f" (did you mean {' or '.join(close)}?)" if close else ""))
+    raise TypeError(
+        f"grpo_patches.preflight: unknown GRPO setting(s) {', '.join(hints)}; use trl.GRPOConfig field names."
+    )
+
+
+def dtype_bytes(dtype: Any) -> int:
+    if isinstance(dtype, torch.dtype):
+        return torch.empty((), dtype=dtype).element_size()
+    key = str(dtype).replace("torch.", "").lower()
+    if key not in _DTYPE_BYTES:
+        raise ValueError(f"grpo_patches.preflight: unknown dtype {dtype!r}; use one of {sorted(_DTYPE_BYTES)}.")
+    return _DTYPE_BYTES[key]
+
+
+def dtype_name(dtype: Any) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def detect_logits_mode() -> str:
+    try:
+        from trl.trainer import utils as trl_utils
+    except Exception:  # TRL absent or broken: assume the older, heavier path
+        return "full"
+    return "fused" if hasattr(trl_utils, "add_fused_lm_head") else "full"
+
+
+def reward_specs(reward_models: Iterable[Any]) -> tuple[list[RewardModelSpec], int]:
+    specs: list[RewardModelSpec] = []
+    functions = 0
+    for item in reward_models:
+        if isinstance(item, RewardModelSpec):
+            specs.append(item)
+        elif isinstance(item, torch.nn.Module) and hasattr(item, "config"):  # a loaded model: its config, dtype
+            dtype = next((p.dtype for p in item.parameters()), torch.bfloat16)
+            specs.append(RewardModelSpec(config=item.config, dtype=dtype_name(dtype)))
+        elif callable(item) and not isinstance(item, (str, os.PathLike, Mapping)) and not hasattr(item, "to_dict"):
+            functions += 1  # a rule-based reward function: no GPU memory
+        else:
+            specs.append(RewardModelSpec(config=item))
+    return specs, functions
