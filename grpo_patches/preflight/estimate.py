@@ -7,6 +7,8 @@ returns one :class:`~grpo_patches.preflight.report.RankEstimate` per rank.
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 from typing import Any
 
 from grpo_patches.preflight.count import Arch, ParamCount
@@ -16,30 +18,17 @@ from grpo_patches.preflight.settings import RewardModelSpec, dtype_bytes
 
 __all__ = ["FastGenerationMemory", "activation_bytes", "estimate_ranks", "layer_bytes_per_token", "lean_input_width"]
 
-#: Bytes saved for backward per token per decoder layer, per unit of width, keyed by (activation
-#: bytes, LoRA dropout > 0). Widths: hidden, intermediate, q = heads * head_dim, kv = kv_heads *
-#: head_dim, and per attention head (the attention kernel's log-sum-exp and friends).
-#: One table per device kind: the attention kernel and the dropout implementation differ between the
-#: CPU and CUDA, so each table is measured on its device (benchmarks/calibrate_activations.py).
+#: The measured coefficients (coefficients.json: what each number is and where it was measured).
+_COEFFICIENTS = json.loads((Path(__file__).with_name("coefficients.json")).read_text())
+#: Bytes saved for backward per token per decoder layer, per unit of width, per device kind, keyed by
+#: (activation bytes, LoRA dropout > 0).
 _ACT_COEF: dict[str, dict[tuple[int, bool], dict[str, float]]] = {
-    "cpu": {
-        (2, True): {"hidden": 37.96, "intermediate": 12.23, "q": 10.12, "kv": 4.05, "heads": 13.9},
-        (2, False): {"hidden": 17.96, "intermediate": 8.23, "q": 6.12, "kv": 4.05, "heads": 13.9},
-        (4, True): {"hidden": 47.92, "intermediate": 20.45, "q": 16.23, "kv": 8.10, "heads": 23.5},
-        (4, False): {"hidden": 15.92, "intermediate": 16.45, "q": 8.23, "kv": 8.10, "heads": 23.5},
-    },
+    device: {(act, dropout): table[f"{8 * act}-bit"]["dropout" if dropout else "no dropout"]
+             for act in (2, 4) for dropout in (True, False)}
+    for device, table in _COEFFICIENTS["activations"].items() if device != "about"
 }
-#: H200, torch 2.11 + CUDA 13, transformers 5.17, peft 0.21, SDPA (flash) attention; 9 Qwen2 layer shapes
-#: (0.5B-7B-like and off-grid) x seq 128 / 288, max residual 1.7% (benchmarks/results/2026-11-29-h200-x4/
-#: act_cuda.jsonl). q = hidden in every measured shape, so the two share one coefficient.
-_ACT_COEF["cuda"] = {
-    (2, True): {"hidden": 17.0, "intermediate": 9.36, "q": 17.0, "kv": 0.64, "heads": 69.1},
-    (2, False): {"hidden": 14.0, "intermediate": 8.36, "q": 14.0, "kv": 0.64, "heads": 69.1},
-    (4, True): {"hidden": 26.18, "intermediate": 17.18, "q": 26.18, "kv": 0.92, "heads": 133.39},
-    (4, False): {"hidden": 15.18, "intermediate": 16.18, "q": 15.18, "kv": 0.92, "heads": 133.39},
-}
-_FUSED_TOKEN_CHUNK = 4096  # trl.kernels.chunked_logprob.TOKEN_CHUNK_SIZE
-_FUSED_VOCAB_CHUNK = 32768  # trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE
+_FUSED_TOKEN_CHUNK = int(_COEFFICIENTS["fused_logprob_chunks"]["tokens"])
+_FUSED_VOCAB_CHUNK = int(_COEFFICIENTS["fused_logprob_chunks"]["vocab"])
 
 
 _DDP = Layout()
