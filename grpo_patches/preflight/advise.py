@@ -8,11 +8,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from grpo_patches.grouping import GroupShapeError, check_group_shape
 from grpo_patches.preflight.count import Arch, ParamCount
 from grpo_patches.preflight.estimate import estimate_ranks
-from grpo_patches.preflight.report import RankEstimate, gib
+from grpo_patches.preflight.layout import Layout
+from grpo_patches.preflight.report import GiB, PreflightError, RankEstimate, gib
+from grpo_patches.preflight.settings import RewardModelSpec, RunSettings
 
-__all__ = ["no_fit_message", "share_advice"]
+__all__ = ["article_advice", "check_fit", "check_shapes", "no_fit_message", "share_advice"]
 
 #: The article's trainable-share band (S4: 0.1-0.5%) holds for a 70B model, where the pinned LoRA
 #: gives 0.2927% (counted on the meta device for the Llama-3.1-70B config). For other sizes the band
@@ -83,3 +86,73 @@ def no_fit_message(arch: Arch, params: ParamCount, over: list[RankEstimate], che
             f"`grpo-patches doctor ... --plan` ranks the combinations that fit"
         )
     return msg + (" Options: " + "; ".join(fixes) + "." if fixes else " Use GPUs with more memory.")
+
+
+def check_shapes(s: RunSettings) -> list[GroupShapeError]:
+    """The rank-local group rule for training, and for evaluation when the run evaluates."""
+    found: list[GroupShapeError] = []
+    try:
+        check_group_shape(per_device_batch_size=s.batch, steps_per_generation=s.steps, num_generations=s.num_generations,
+                          world_size=s.world_size, mode="train")
+    except GroupShapeError as e:
+        found.append(e)
+    if s.eval_shape is not None:
+        try:
+            check_group_shape(per_device_batch_size=s.eval_shape[0], steps_per_generation=1,
+                              num_generations=s.eval_shape[1], world_size=s.world_size, mode="eval")
+        except GroupShapeError as e:
+            found.append(e)
+    return found
+
+
+def check_fit(arch: Arch, params: ParamCount, ranks: list[RankEstimate], s: RunSettings, common: dict[str, Any],
+              lean_width: int, capacity: int | None) -> tuple[PreflightError | None, list[str]]:
+    """A :class:`PreflightError` naming the fixes when a rank does not fit; else S8's headroom advice."""
+    over = [r for r in ranks if r.fits is False]
+    if over:
+        return PreflightError(no_fit_message(arch, params, over, s.checkpointing, common, lean_width)), []
+    if capacity is not None:
+        tight = [r.rank for r in ranks if r.headroom is not None and r.headroom < _MIN_FREE_GB * GiB]
+        if tight:
+            return None, [
+                f"ranks {tight} are predicted to keep under {_MIN_FREE_GB:g} GiB free (S8 keeps >= 2 GiB per GPU "
+                f"for peaks); lower per_device_train_batch_size or max_completion_length."
+            ]
+    return None, []
+
+
+def article_advice(arch: Arch, params: ParamCount, s: RunSettings, layout: Layout, *, pinned_lora: bool,
+                   gpu_memory_gb: float | None, dataset_size: int | None, reward_specs: list[RewardModelSpec],
+                   reward_functions: int, rewards: list[tuple[RewardModelSpec, Arch, int]],
+                   fast_generation: Any) -> list[str]:
+    """S4's trainable share, S9's when-not-to, and what the model leaves out for this run."""
+    advice = share_advice(params, pinned_lora)
+    total_vram = s.world_size * gpu_memory_gb if gpu_memory_gb is not None else None
+    if params.total >= _LARGE_MODEL_PARAMS and total_vram is not None and total_vram < _MIN_TOTAL_VRAM_GB:
+        advice.append(
+            f"{params.total / 1e9:.0f}B parameters on {total_vram:g} GiB of VRAM in all (under {_MIN_TOTAL_VRAM_GB:g}): "
+            f"S9 says multi-GPU GRPO + LoRA is not worth it here; use more GPUs or a 4-bit single-GPU setup."
+        )
+    if dataset_size is not None and dataset_size < _MIN_DATASET_SIZE:
+        advice.append(
+            f"dataset_size={dataset_size} is under {_MIN_DATASET_SIZE} examples: S9 says GRPO is not worth it on so "
+            f"little data; collect more prompts or use supervised fine-tuning."
+        )
+    if not reward_specs:
+        what = f"only {reward_functions} rule-based reward function(s)" if reward_functions else "no reward model"
+        advice.append(
+            f"{what}: S9 advises GRPO with a learned reward model of the policy's family; pass it in reward_models "
+            f"so its memory is counted."
+        )
+    elif arch.model_type and not any(a.model_type == arch.model_type for _, a, _ in rewards):
+        advice.append(
+            f"no reward model shares the policy's family ({arch.model_type}); S9 advises one of the same family."
+        )
+    if fast_generation and layout.sharding != "ddp":
+        advice.append(f"fast_generation under {layout.sharding}: the kit samples eagerly there (parameters are "
+                      f"gathered per call), so no static cache is counted.")
+    if s.use_vllm:
+        advice.append("use_vllm=True: vLLM's memory pool is not modelled; the generation figures assume transformers.")
+    if arch.moe:
+        advice.append("mixture-of-experts config: activations use the routed experts' width; treat them as rough.")
+    return advice

@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from grpo_patches.preflight.settings import load_model_config
+from grpo_patches.preflight.settings import RewardModelSpec, load_model_config
 
-__all__ = ["Arch", "ParamCount", "architecture", "count_parameters", "count_reward_model"]
+__all__ = ["Arch", "ParamCount", "architecture", "count_parameters", "count_reward_model", "count_reward_models"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,3 +210,12 @@ def _count_rm_cached(config_json: str, model_type: str) -> int:
         except ValueError:  # no classification head registered for this type: count the backbone
             model = transformers.AutoModel.from_config(cfg)
     return sum(p.numel() for p in model.parameters())
+
+
+def count_reward_models(specs: Iterable[RewardModelSpec]) -> list[tuple[RewardModelSpec, Arch, int]]:
+    """Each learned reward model with its widths and parameter count."""
+    rewards = []
+    for spec in specs:
+        rm_cfg = load_model_config(spec.config)
+        rewards.append((spec, architecture(rm_cfg), count_reward_model(rm_cfg)))
+    return rewards

@@ -14,9 +14,10 @@ from typing import Any
 from grpo_patches.preflight.count import Arch, ParamCount
 from grpo_patches.preflight.layout import Layout
 from grpo_patches.preflight.report import RankEstimate
-from grpo_patches.preflight.settings import RewardModelSpec, dtype_bytes
+from grpo_patches.preflight.settings import RewardModelSpec, RunSettings, dtype_bytes
 
-__all__ = ["FastGenerationMemory", "activation_bytes", "estimate_ranks", "layer_bytes_per_token", "lean_input_width"]
+__all__ = ["FastGenerationMemory", "activation_bytes", "estimate_inputs", "estimate_ranks", "layer_bytes_per_token",
+           "lean_input_width"]
 
 #: The measured coefficients (coefficients.json: what each number is and where it was measured).
 _COEFFICIENTS = json.loads((Path(__file__).with_name("coefficients.json")).read_text())
@@ -236,3 +237,22 @@ def estimate_ranks(
         comp["gathered_weights"] = max(comp["gathered_weights"], gen_gathered)
         estimates.append(RankEstimate(rank, comp, phases, capacity, overhead, fragmentation))
     return estimates
+
+
+def estimate_inputs(s: RunSettings, arch: Arch, params: ParamCount, layout: Layout,
+                    rewards: list[tuple[RewardModelSpec, Arch, int]], *, capacity: int | None, overhead: int,
+                    fragmentation: float, fast_generation: Any, lean_lora: bool) -> tuple[dict[str, Any], int]:
+    """The keyword arguments of :func:`estimate_ranks` but ``checkpointing`` (the advice re-estimates with
+    one of them changed), and the input width whose fp32 copy ``lean_lora`` removes (0: stock PEFT makes
+    no copy in this setup)."""
+    lean_width = lean_input_width(arch, s.lora, layout) if s.act == 2 else 0
+    common = dict(world_size=s.world_size, batch=s.batch, steps=s.steps, prompt=s.prompt, completion=s.completion,
+                  w_bytes=s.w_bytes, act=s.act, dropout=s.dropout, optim=s.optim,
+                  logits_mode=s.logits_mode, rewards=rewards, placement=s.reward_placement, capacity=capacity,
+                  overhead=overhead, fragmentation=fragmentation,
+                  fast=(FastGenerationMemory.of(fast_generation, prompt=s.prompt, completion=s.completion,
+                                                params=params, weight_bytes=s.w_bytes,
+                                                quantized=layout.quantization is not None)
+                        if fast_generation and layout.sharding == "ddp" else None),
+                  layout=layout, lean_input=lean_width if lean_lora else 0)
+    return common, lean_width

@@ -2,42 +2,24 @@
 
 from __future__ import annotations
 
-import os
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-from grpo_patches.grouping import GroupShapeError, check_group_shape, resolve_steps_per_generation
-from grpo_patches.preflight.advise import (
-    _LARGE_MODEL_PARAMS,
-    _MIN_DATASET_SIZE,
-    _MIN_FREE_GB,
-    _MIN_TOTAL_VRAM_GB,
-    no_fit_message,
-    share_advice,
-)
-from grpo_patches.preflight.count import architecture, count_parameters, count_reward_model
-from grpo_patches.preflight.estimate import (
-    FastGenerationMemory,
-    activation_bytes,
-    estimate_ranks,
-    lean_input_width,
-)
-from grpo_patches.preflight.layout import DeepSpeedSettings, Layout, layout_from_environment
-from grpo_patches.preflight.report import GiB, PreflightError, PreflightReport, PreflightWarning
+from grpo_patches.preflight.advise import article_advice, check_fit, check_shapes
+from grpo_patches.preflight.count import ParamCount, architecture, count_parameters, count_reward_models
+from grpo_patches.preflight.estimate import activation_bytes, estimate_inputs, estimate_ranks
+from grpo_patches.preflight.layout import Layout, resolve_layout
+from grpo_patches.preflight.report import GiB, PreflightReport, PreflightWarning
 from grpo_patches.preflight.settings import (
-    check_setting_names,
-    detect_logits_mode,
-    dtype_bytes,
+    RunSettings,
     dtype_name,
     load_model_config,
+    resolve_settings,
     reward_specs,
-    setting,
 )
 
 __all__ = ["preflight"]
-
-# ------------------------------------------------------------------------------------- preflight
 
 
 def preflight(
@@ -97,164 +79,50 @@ def preflight(
     ``raise_on_error``; otherwise they are in ``report.errors``. Advice (S4 trainable share, S8
     headroom, S9) is issued as :class:`PreflightWarning` and kept in ``report.warnings``.
     """
-    from grpo_patches.defaults import ARTICLE_TRAINING_SETTINGS
-
-    if reward_placement not in ("local", "main"):
-        raise ValueError(f"reward_placement={reward_placement!r} must be 'local' or 'main'.")
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size={world_size!r} must be an integer >= 1.")
-    if gpu_memory_gb is not None and not gpu_memory_gb > 0:
-        raise ValueError(f"gpu_memory_gb={gpu_memory_gb!r} must be > 0.")
-    if logits_mode not in ("auto", "fused", "full"):
-        raise ValueError(f"logits_mode={logits_mode!r} must be 'auto', 'fused' or 'full'.")
-
-    g = grpo_config
-    check_setting_names(g)
-    if sharding == "auto":
-        detected = layout_from_environment()
-        sharding = detected["sharding"]
-        offload_base = detected["offload_base"] if offload_base is None else offload_base
+    s = resolve_settings(grpo_config, lora_config=lora_config, world_size=world_size, gpu_memory_gb=gpu_memory_gb,
+                         reward_placement=reward_placement, prompt_length=prompt_length, dtype=dtype,
+                         logits_mode=logits_mode)
     cfg = load_model_config(model_config)
     arch = architecture(cfg)
-    if deepspeed_config is None and sharding.startswith("zero"):
-        deepspeed_config = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") or None
-    ds = DeepSpeedSettings.from_config(deepspeed_config, arch.hidden)
-    if offload_base is None and sharding == "zero3" and ds.offload_param in ("cpu", "nvme"):
-        offload_base = True
-    layout = Layout(sharding=sharding, quantization=quantization, double_quant=double_quant,
-                    offload_base=bool(offload_base),
-                    gather_for_generation=bool(setting(g, "ds3_gather_for_generation", True)), ds=ds)
-    art = ARTICLE_TRAINING_SETTINGS
-    batch = int(setting(g, "per_device_train_batch_size", art["per_device_train_batch_size"]))
-    accum = int(setting(g, "gradient_accumulation_steps", art["gradient_accumulation_steps"]))
-    if g is not None and not isinstance(g, Mapping) and not hasattr(g, "steps_per_generation"):
-        steps = 1  # a TRL < 0.19 config: every micro-batch generates its own groups
-    else:
-        steps = resolve_steps_per_generation(
-            {"per_device_train_batch_size": batch, "gradient_accumulation_steps": accum,
-             "steps_per_generation": setting(g, "steps_per_generation", None),
-             "generation_batch_size": setting(g, "generation_batch_size", None)}
-            if isinstance(g, Mapping) or g is None else g,
-            world_size=world_size)
-    num_gen = int(setting(g, "num_generations", art["group_size"]))
-    completion = int(setting(g, "max_completion_length", art["max_length"] // 2))
-    prompt = int(prompt_length if prompt_length is not None else setting(g, "max_prompt_length", art["max_length"] // 2))
-    checkpointing = bool(setting(g, "gradient_checkpointing", art["gradient_checkpointing"]))
-    bf16 = bool(setting(g, "bf16", True)) if g is not None else True
-    fp16 = bool(setting(g, "fp16", False))
-    compute_dtype = "bfloat16" if bf16 else ("float16" if fp16 else "float32")
-    init_kwargs = setting(g, "model_init_kwargs", {}) or {}
-    if dtype is None:
-        dtype = init_kwargs.get("dtype") or init_kwargs.get("torch_dtype")
-        if dtype in (None, "auto"):
-            dtype = compute_dtype
-    optim = setting(g, "optim", art["optim"])
-    optim = str(getattr(optim, "value", optim))  # OptimizerNames is a str enum
-    mode = detect_logits_mode() if logits_mode == "auto" else logits_mode
-
-    from grpo_patches.defaults import lora_config as default_lora
-
-    lora = default_lora() if lora_config is None else lora_config
-    params = count_parameters(cfg, lora)
-    dropout = float(getattr(lora, "lora_dropout", 0.0) or 0.0) > 0
-
+    layout = resolve_layout(sharding, quantization=quantization, double_quant=double_quant, offload_base=offload_base,
+                            deepspeed_config=deepspeed_config, hidden_size=arch.hidden,
+                            gather_for_generation=s.gather_for_generation)
+    params = count_parameters(cfg, s.lora)
     specs, n_functions = reward_specs(reward_models)
-    rewards = []
-    for spec in specs:
-        rm_cfg = load_model_config(spec.config)
-        rewards.append((spec, architecture(rm_cfg), count_reward_model(rm_cfg)))
-
-    errors: list[str] = []
-    advice: list[str] = []
-    group_error: GroupShapeError | None = None
-    try:
-        check_group_shape(per_device_batch_size=batch, steps_per_generation=steps, num_generations=num_gen,
-                          world_size=world_size, mode="train")
-    except GroupShapeError as e:
-        group_error = e
-        errors.append(str(e))
-    if setting(g, "eval_strategy", "no") != "no":  # IntervalStrategy is a str enum: compares by value
-        try:
-            check_group_shape(per_device_batch_size=int(setting(g, "per_device_eval_batch_size", 8)),
-                              steps_per_generation=1,
-                              num_generations=int(setting(g, "num_generations_eval", num_gen)),
-                              world_size=world_size, mode="eval")
-        except GroupShapeError as e:
-            group_error = group_error or e
-            errors.append(str(e))
+    rewards = count_reward_models(specs)
 
     capacity = int(gpu_memory_gb * GiB) if gpu_memory_gb is not None else None
-    # the input width whose fp32 copy lean_lora removes (0: stock PEFT makes no copy in this setup)
-    lean_width = lean_input_width(arch, lora, layout) if dtype_bytes(compute_dtype) == 2 else 0
-    common = dict(world_size=world_size, batch=batch, steps=steps, prompt=prompt, completion=completion,
-                  w_bytes=dtype_bytes(dtype), act=dtype_bytes(compute_dtype), dropout=dropout, optim=optim,
-                  logits_mode=mode, rewards=rewards, placement=reward_placement, capacity=capacity,
-                  overhead=int(overhead_gb * GiB), fragmentation=fragmentation,
-                  fast=(FastGenerationMemory.of(fast_generation, prompt=prompt, completion=completion,
-                                                params=params, weight_bytes=dtype_bytes(dtype),
-                                                quantized=layout.quantization is not None)
-                        if fast_generation and layout.sharding == "ddp" else None),
-                  layout=layout, lean_input=lean_width if lean_lora else 0)
-    ranks = estimate_ranks(arch, params, checkpointing=checkpointing, **common)
-    act_ckpt = activation_bytes(arch, batch * (prompt + completion), common["act"], dropout, True)
-    act_full = activation_bytes(arch, batch * (prompt + completion), common["act"], dropout, False)
+    common, lean_width = estimate_inputs(s, arch, params, layout, rewards, capacity=capacity,
+                                         overhead=int(overhead_gb * GiB), fragmentation=fragmentation,
+                                         fast_generation=fast_generation, lean_lora=lean_lora)
+    ranks = estimate_ranks(arch, params, checkpointing=s.checkpointing, **common)
+    tokens = s.batch * (s.prompt + s.completion)
+    act_ckpt = activation_bytes(arch, tokens, s.act, s.dropout, True)
+    act_full = activation_bytes(arch, tokens, s.act, s.dropout, False)
 
-    fit_error: PreflightError | None = None
-    over = [r for r in ranks if r.fits is False]
-    if over:
-        fit_error = PreflightError(no_fit_message(arch, params, over, checkpointing, common, lean_width))
-        errors.append(str(fit_error))
-    elif capacity is not None:
-        tight = [r.rank for r in ranks if r.headroom is not None and r.headroom < _MIN_FREE_GB * GiB]
-        if tight:
-            advice.append(
-                f"ranks {tight} are predicted to keep under {_MIN_FREE_GB:g} GiB free (S8 keeps >= 2 GiB per GPU "
-                f"for peaks); lower per_device_train_batch_size or max_completion_length."
-            )
-
-    advice += share_advice(params, lora_config is None)
-    total_vram = world_size * gpu_memory_gb if gpu_memory_gb is not None else None
-    if params.total >= _LARGE_MODEL_PARAMS and total_vram is not None and total_vram < _MIN_TOTAL_VRAM_GB:
-        advice.append(
-            f"{params.total / 1e9:.0f}B parameters on {total_vram:g} GiB of VRAM in all (under {_MIN_TOTAL_VRAM_GB:g}): "
-            f"S9 says multi-GPU GRPO + LoRA is not worth it here; use more GPUs or a 4-bit single-GPU setup."
-        )
-    if dataset_size is not None and dataset_size < _MIN_DATASET_SIZE:
-        advice.append(
-            f"dataset_size={dataset_size} is under {_MIN_DATASET_SIZE} examples: S9 says GRPO is not worth it on so "
-            f"little data; collect more prompts or use supervised fine-tuning."
-        )
-    if not specs:
-        what = f"only {n_functions} rule-based reward function(s)" if n_functions else "no reward model"
-        advice.append(
-            f"{what}: S9 advises GRPO with a learned reward model of the policy's family; pass it in reward_models "
-            f"so its memory is counted."
-        )
-    elif arch.model_type and not any(a.model_type == arch.model_type for _, a, _ in rewards):
-        advice.append(
-            f"no reward model shares the policy's family ({arch.model_type}); S9 advises one of the same family."
-        )
-    if fast_generation and layout.sharding != "ddp":
-        advice.append(f"fast_generation under {layout.sharding}: the kit samples eagerly there (parameters are "
-                      f"gathered per call), so no static cache is counted.")
-    if bool(setting(g, "use_vllm", False)):
-        advice.append("use_vllm=True: vLLM's memory pool is not modelled; the generation figures assume transformers.")
-    if arch.moe:
-        advice.append("mixture-of-experts config: activations use the routed experts' width; treat them as rough.")
-
-    settings = dict(world_size=world_size, per_device_train_batch_size=batch, steps_per_generation=steps,
-                    num_generations=num_gen, prompt_length=prompt, completion_length=completion,
-                    gradient_checkpointing=checkpointing, dtype=dtype_name(dtype), compute_dtype=compute_dtype,
-                    logits_mode=mode, reward_placement=reward_placement, optim=optim, layout=layout.label(),
-                    host_weights_gb=(layout.base_bytes(params, dtype_bytes(dtype))["total"] / world_size / GiB
-                                     if layout.offload_base else 0.0))
-    report = PreflightReport(ranks, params, settings, act_ckpt, act_full, errors, advice)
+    shape_errors = check_shapes(s)
+    fit_error, advice = check_fit(arch, params, ranks, s, common, lean_width, capacity)
+    advice += article_advice(arch, params, s, layout, pinned_lora=lora_config is None, gpu_memory_gb=gpu_memory_gb,
+                             dataset_size=dataset_size, reward_specs=specs, reward_functions=n_functions,
+                             rewards=rewards, fast_generation=fast_generation)
+    errors = [str(e) for e in shape_errors] + ([str(fit_error)] if fit_error is not None else [])
+    report = PreflightReport(ranks, params, _report_settings(s, layout, params), act_ckpt, act_full, errors, advice)
     if warn:
         for message in advice:
             warnings.warn(f"grpo_patches.preflight: {message}", PreflightWarning, stacklevel=2)
     if raise_on_error:
-        if group_error is not None:
-            raise group_error
+        if shape_errors:
+            raise shape_errors[0]
         if fit_error is not None:
             raise fit_error
     return report
+
+
+def _report_settings(s: RunSettings, layout: Layout, params: ParamCount) -> dict[str, Any]:
+    """The settings the report prints (and ``--plan`` reads back)."""
+    return dict(world_size=s.world_size, per_device_train_batch_size=s.batch, steps_per_generation=s.steps,
+                num_generations=s.num_generations, prompt_length=s.prompt, completion_length=s.completion,
+                gradient_checkpointing=s.checkpointing, dtype=dtype_name(s.dtype), compute_dtype=s.compute_dtype,
+                logits_mode=s.logits_mode, reward_placement=s.reward_placement, optim=s.optim, layout=layout.label(),
+                host_weights_gb=(layout.base_bytes(params, s.w_bytes)["total"] / s.world_size / GiB
+                                 if layout.offload_base else 0.0))

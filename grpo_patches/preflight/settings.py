@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["PRESETS", "RewardModelSpec", "check_setting_names", "detect_logits_mode", "dtype_bytes", "dtype_name",
-           "load_model_config", "reward_specs", "setting", "valid_setting_names"]
+__all__ = ["PRESETS", "RewardModelSpec", "RunSettings", "check_setting_names", "detect_logits_mode", "dtype_bytes", "dtype_name",
+           "load_model_config", "resolve_settings", "reward_specs", "setting", "valid_setting_names"]
 
 _DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2, "float64": 8}
 
@@ -167,3 +167,106 @@ def reward_specs(reward_models: Iterable[Any]) -> tuple[list[RewardModelSpec], i
         else:
             specs.append(RewardModelSpec(config=item))
     return specs, functions
+
+
+# ------------------------------------------------------------------------------------- resolve
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSettings:
+    """The run's settings, resolved once: every later stage reads them from here."""
+
+    world_size: int
+    batch: int  # per_device_train_batch_size
+    accumulation: int  # gradient_accumulation_steps
+    steps: int  # steps_per_generation
+    num_generations: int
+    prompt: int  # prompt tokens
+    completion: int  # completion tokens
+    checkpointing: bool
+    compute_dtype: str
+    dtype: Any  # the frozen policy weights' dtype
+    optim: str
+    logits_mode: str
+    reward_placement: str
+    lora: Any
+    dropout: bool  # LoRA dropout > 0
+    eval_shape: tuple[int, int] | None  # (per_device_eval_batch_size, num_generations_eval) when evaluating
+    gather_for_generation: bool  # ds3_gather_for_generation
+    use_vllm: bool
+
+    @property
+    def w_bytes(self) -> int:
+        return dtype_bytes(self.dtype)
+
+    @property
+    def act(self) -> int:
+        return dtype_bytes(self.compute_dtype)
+
+
+def resolve_settings(
+    grpo_config: Any,
+    *,
+    lora_config: Any,
+    world_size: int,
+    gpu_memory_gb: float | None,
+    reward_placement: str,
+    prompt_length: int | None,
+    dtype: Any,
+    logits_mode: str,
+) -> RunSettings:
+    """Check preflight's arguments and read the GRPO settings (the pinned defaults where one is missing)."""
+    from grpo_patches.defaults import ARTICLE_TRAINING_SETTINGS
+    from grpo_patches.defaults import lora_config as default_lora
+    from grpo_patches.grouping import resolve_steps_per_generation
+
+    if reward_placement not in ("local", "main"):
+        raise ValueError(f"reward_placement={reward_placement!r} must be 'local' or 'main'.")
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size={world_size!r} must be an integer >= 1.")
+    if gpu_memory_gb is not None and not gpu_memory_gb > 0:
+        raise ValueError(f"gpu_memory_gb={gpu_memory_gb!r} must be > 0.")
+    if logits_mode not in ("auto", "fused", "full"):
+        raise ValueError(f"logits_mode={logits_mode!r} must be 'auto', 'fused' or 'full'.")
+
+    g = grpo_config
+    check_setting_names(g)
+    art = ARTICLE_TRAINING_SETTINGS
+    batch = int(setting(g, "per_device_train_batch_size", art["per_device_train_batch_size"]))
+    accum = int(setting(g, "gradient_accumulation_steps", art["gradient_accumulation_steps"]))
+    if g is not None and not isinstance(g, Mapping) and not hasattr(g, "steps_per_generation"):
+        steps = 1  # a TRL < 0.19 config: every micro-batch generates its own groups
+    else:
+        steps = resolve_steps_per_generation(
+            {"per_device_train_batch_size": batch, "gradient_accumulation_steps": accum,
+             "steps_per_generation": setting(g, "steps_per_generation", None),
+             "generation_batch_size": setting(g, "generation_batch_size", None)}
+            if isinstance(g, Mapping) or g is None else g,
+            world_size=world_size)
+    num_gen = int(setting(g, "num_generations", art["group_size"]))
+    completion = int(setting(g, "max_completion_length", art["max_length"] // 2))
+    prompt = int(prompt_length if prompt_length is not None else setting(g, "max_prompt_length", art["max_length"] // 2))
+    checkpointing = bool(setting(g, "gradient_checkpointing", art["gradient_checkpointing"]))
+    bf16 = bool(setting(g, "bf16", True)) if g is not None else True
+    fp16 = bool(setting(g, "fp16", False))
+    compute_dtype = "bfloat16" if bf16 else ("float16" if fp16 else "float32")
+    init_kwargs = setting(g, "model_init_kwargs", {}) or {}
+    if dtype is None:
+        dtype = init_kwargs.get("dtype") or init_kwargs.get("torch_dtype")
+        if dtype in (None, "auto"):
+            dtype = compute_dtype
+    optim = setting(g, "optim", art["optim"])
+    optim = str(getattr(optim, "value", optim))  # OptimizerNames is a str enum
+    mode = detect_logits_mode() if logits_mode == "auto" else logits_mode
+    lora = default_lora() if lora_config is None else lora_config
+    dropout = float(getattr(lora, "lora_dropout", 0.0) or 0.0) > 0
+    eval_shape = None
+    if setting(g, "eval_strategy", "no") != "no":  # IntervalStrategy is a str enum: compares by value
+        eval_shape = (int(setting(g, "per_device_eval_batch_size", 8)), int(setting(g, "num_generations_eval", num_gen)))
+    return RunSettings(
+        world_size=world_size, batch=batch, accumulation=accum, steps=steps, num_generations=num_gen, prompt=prompt,
+        completion=completion, checkpointing=checkpointing, compute_dtype=compute_dtype, dtype=dtype, optim=optim,
+        logits_mode=mode, reward_placement=reward_placement, lora=lora, dropout=dropout, eval_shape=eval_shape,
+        gather_for_generation=bool(setting(g, "ds3_gather_for_generation", True)),
+        use_vllm=bool(setting(g, "use_vllm", False)),
+    )
