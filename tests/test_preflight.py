@@ -121,6 +121,45 @@ def test_steps_per_generation_counts_toward_the_rank_local_rule():
     assert quiet_preflight("qwen2.5-0.5b", grpo_config=shape, world_size=4).ok
 
 
+class _Zero3Config:
+    """What transformers reads from a live ``HfDeepSpeedConfig`` (needs no deepspeed install)."""
+
+    config = {"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1}
+
+    def is_zero3(self) -> bool:
+        return True
+
+
+def test_counts_under_a_live_zero3_deepspeed_config(monkeypatch):
+    """``accelerate launch`` with a ZeRO-3 config makes an ``HfDeepSpeedConfig`` before the script runs;
+    transformers' ``from_config`` then enters ``deepspeed.zero.Init``, which cannot work on the meta device."""
+    import transformers
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    expected = count_parameters("qwen2.5-0.5b")  # counted with no DeepSpeed config alive
+    rm_expected = count.count_reward_model(pf.load_model_config("qwen2.5-0.5b"))
+    monkeypatch.setattr(count, "_COUNT_CACHE", {})  # count afresh below, not from the caches
+    count._count_rm_cached.cache_clear()
+    monkeypatch.setattr(hf_deepspeed, "_hf_deepspeed_config_weak_ref", None)
+    try:
+        live = transformers.integrations.HfDeepSpeedConfig(dict(_Zero3Config.config))  # sets the weak reference
+    except Exception:  # deepspeed not installed: the same weak reference, to a stand-in
+        live = _Zero3Config()
+        hf_deepspeed.set_hf_deepspeed_config(live)
+    assert hf_deepspeed.is_deepspeed_zero3_enabled()
+    cfg = pf.load_model_config("qwen2.5-0.5b")
+    # upstream: ZeRO-3's init context on meta tensors ("Cannot copy out of meta tensor"; without deepspeed
+    # installed, the import of deepspeed it needs)
+    with pytest.raises((NotImplementedError, ImportError)), torch.device("meta"):
+        transformers.AutoModelForCausalLM.from_config(cfg)
+    report = quiet_preflight("qwen2.5-0.5b", sharding="zero3", reward_models=["qwen2.5-0.5b"], reward_placement="main")
+    assert report.params == expected
+    assert report.ranks[0].components["reward_weights"] == rm_expected * 2
+    assert hf_deepspeed.is_deepspeed_zero3_enabled()  # the live config is left as it was
+    count._count_rm_cached.cache_clear()
+    del live
+
+
 # ----------------------------------------------------------------------------------- memory model
 
 

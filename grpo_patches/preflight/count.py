@@ -8,10 +8,11 @@ in a fraction of a second.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -133,6 +134,28 @@ def _is_plain_lora(lora: Any) -> bool:
     )
 
 
+@contextlib.contextmanager
+def _outside_zero3_init() -> Iterator[None]:
+    """Build the meta model as a plain one, even where a ZeRO-3 ``HfDeepSpeedConfig`` is alive.
+
+    transformers' ``from_config`` enters ``deepspeed.zero.Init`` whenever a live ``HfDeepSpeedConfig``
+    says ZeRO-3 (accelerate's DeepSpeed plugin makes one before the training script runs), and
+    partitioning a meta tensor fails ("Cannot copy out of meta tensor; no data!"). Preflight only reads
+    shapes, so the config's weak reference is hidden from transformers while the model is built.
+    """
+    try:
+        from transformers.integrations import deepspeed as hf_deepspeed
+    except ImportError:  # a transformers without the integration: nothing to hide
+        yield
+        return
+    saved = getattr(hf_deepspeed, "_hf_deepspeed_config_weak_ref", None)
+    hf_deepspeed._hf_deepspeed_config_weak_ref = None
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = saved
+
+
 _COUNT_CACHE: dict[tuple[str, str, bool], ParamCount] = {}
 
 
@@ -151,7 +174,7 @@ def count_parameters(model_config: Any, lora_config: Any = None, *, peft_always:
     lora = default_lora() if lora_config is None else lora_config
     key = (cfg.to_json_string(use_diff=False), repr(lora), peft_always)
     if key not in _COUNT_CACHE:
-        with torch.device("meta"):
+        with _outside_zero3_init(), torch.device("meta"):
             model = transformers.AutoModelForCausalLM.from_config(cfg)
         embedding = sum(p.numel() for p in model.get_input_embeddings().parameters())
         head = model.get_output_embeddings()
@@ -204,7 +227,7 @@ def _count_rm_cached(config_json: str, model_type: str) -> int:
 
     cfg = transformers.AutoConfig.for_model(model_type, **json.loads(config_json))
     cfg.num_labels = 1
-    with torch.device("meta"):
+    with _outside_zero3_init(), torch.device("meta"):
         try:
             model = transformers.AutoModelForSequenceClassification.from_config(cfg)
         except ValueError:  # no classification head registered for this type: count the backbone
