@@ -9,10 +9,14 @@ from typing import Any
 from grpo_patches.preflight.advise import article_advice, check_fit, check_shapes
 from grpo_patches.preflight.count import ParamCount, architecture, count_parameters, count_reward_models
 from grpo_patches.preflight.estimate import activation_bytes, estimate_inputs, estimate_ranks
-from grpo_patches.preflight.layout import Layout, resolve_layout
+from grpo_patches.preflight.layout import QUANTIZATIONS, SHARDINGS, Layout, resolve_layout
 from grpo_patches.preflight.report import GiB, PreflightReport, PreflightWarning
 from grpo_patches.preflight.settings import (
     RunSettings,
+    as_bool,
+    as_choice,
+    as_number,
+    as_whole,
     dtype_name,
     load_model_config,
     resolve_settings,
@@ -79,6 +83,18 @@ def preflight(
     ``raise_on_error``; otherwise they are in ``report.errors``. Advice (S4 trainable share, S8
     headroom, S9) is issued as :class:`PreflightWarning` and kept in ``report.warnings``.
     """
+    # Arguments as a user may pass them (numpy scalars, "false" from a command line) mean what they say;
+    # a bad one is refused here, with its name and what it may be.
+    if gpu_memory_gb is not None:
+        gpu_memory_gb = as_number("gpu_memory_gb", gpu_memory_gb, minimum=0, inclusive=False)
+    dataset_size = None if dataset_size is None else as_whole("dataset_size", dataset_size, 0)
+    overhead_gb = as_number("overhead_gb", overhead_gb, minimum=0)
+    fragmentation = as_number("fragmentation", fragmentation, minimum=0)
+    lean_lora, double_quant = as_bool("lean_lora", lean_lora), as_bool("double_quant", double_quant)
+    raise_on_error, warn = as_bool("raise_on_error", raise_on_error), as_bool("warn", warn)
+    offload_base = None if offload_base is None else as_bool("offload_base", offload_base)
+    sharding = as_choice("sharding", sharding, ("auto", *SHARDINGS))
+    quantization = as_choice("quantization", quantization, QUANTIZATIONS)
     s = resolve_settings(grpo_config, lora_config=lora_config, world_size=world_size, gpu_memory_gb=gpu_memory_gb,
                          reward_placement=reward_placement, prompt_length=prompt_length, dtype=dtype,
                          logits_mode=logits_mode)

@@ -7,16 +7,19 @@ and the reward models.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import math
+import numbers
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["PRESETS", "RewardModelSpec", "RunSettings", "check_setting_names", "detect_logits_mode", "dtype_bytes", "dtype_name",
+__all__ = ["PRESETS", "RewardModelSpec", "RunSettings", "as_bool", "as_choice", "as_number", "as_whole", "check_setting_names", "detect_logits_mode", "dtype_bytes", "dtype_name",
            "load_model_config", "resolve_settings", "reward_specs", "setting", "valid_setting_names"]
 
 _DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2, "float64": 8}
@@ -169,6 +172,77 @@ def reward_specs(reward_models: Iterable[Any]) -> tuple[list[RewardModelSpec], i
     return specs, functions
 
 
+# ------------------------------------------------------------------------------ values as typed
+
+_TRUE_WORDS = ("true", "yes", "on", "1")
+_FALSE_WORDS = ("false", "no", "off", "0")
+
+
+def _is_bool(value: Any) -> bool:
+    """Python's bool or numpy's (whose scalars carry a dtype of kind "b")."""
+    return isinstance(value, bool) or getattr(getattr(value, "dtype", None), "kind", "") == "b"
+
+
+def _bad(name: str, value: Any, expected: str) -> ValueError:
+    return ValueError(f"grpo_patches.preflight: {name}={value!r} is not valid; expected {expected}.")
+
+
+def as_bool(name: str, value: Any) -> bool:
+    """A yes/no setting as a user may type it: a bool (numpy's too), 0 / 1, or a word ("False", "true", "no")."""
+    if _is_bool(value):
+        return bool(value)
+    if isinstance(value, numbers.Integral) and int(value) in (0, 1):
+        return bool(int(value))
+    if isinstance(value, str) and value.strip().lower() in _TRUE_WORDS + _FALSE_WORDS:
+        return value.strip().lower() in _TRUE_WORDS
+    raise _bad(name, value, f"true or false (or one of {', '.join(_TRUE_WORDS + _FALSE_WORDS)})")
+
+
+def as_whole(name: str, value: Any, minimum: int, why: str = "") -> int:
+    """A count as a user may type it: an integer (numpy's too), a float or a string holding a whole number;
+    a fraction is refused, never cut."""
+    expected = f"a whole number >= {minimum}{why}"
+    number: Any = value
+    if isinstance(value, str):
+        try:
+            number = float(value.strip()) if any(c in value for c in ".eE") else int(value.strip())
+        except ValueError:
+            raise _bad(name, value, expected) from None
+    if _is_bool(number):
+        raise _bad(name, value, expected)
+    integral = isinstance(number, numbers.Integral) or (
+        isinstance(number, numbers.Real) and math.isfinite(number) and float(number).is_integer())
+    if not integral:
+        raise _bad(name, value, expected)
+    whole = int(number)
+    if whole < minimum:
+        raise _bad(name, value, expected)
+    return whole
+
+
+def as_number(name: str, value: Any, *, minimum: float, inclusive: bool = True) -> float:
+    """A finite real number (numpy's too, or a string holding one) at or above ``minimum`` (above, if not inclusive)."""
+    expected = f"a number {'>=' if inclusive else '>'} {minimum:g}"
+    number: Any = value
+    if isinstance(value, str):
+        try:
+            number = float(value.strip())
+        except ValueError:
+            raise _bad(name, value, expected) from None
+    if (_is_bool(number) or not isinstance(number, numbers.Real)
+            or not math.isfinite(number) or not (number >= minimum if inclusive else number > minimum)):
+        raise _bad(name, value, expected)
+    return float(number)
+
+
+def as_choice(name: str, value: Any, choices: Sequence[Any]) -> Any:
+    """One of ``choices`` (a str enum compares by its value)."""
+    plain = getattr(value, "value", value)
+    if plain not in choices:
+        raise _bad(name, value, "one of " + ", ".join(repr(c) for c in choices))
+    return plain
+
+
 # ------------------------------------------------------------------------------------- resolve
 
 
@@ -220,53 +294,66 @@ def resolve_settings(
     from grpo_patches.defaults import lora_config as default_lora
     from grpo_patches.grouping import resolve_steps_per_generation
 
-    if reward_placement not in ("local", "main"):
-        raise ValueError(f"reward_placement={reward_placement!r} must be 'local' or 'main'.")
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size={world_size!r} must be an integer >= 1.")
-    if gpu_memory_gb is not None and not gpu_memory_gb > 0:
-        raise ValueError(f"gpu_memory_gb={gpu_memory_gb!r} must be > 0.")
-    if logits_mode not in ("auto", "fused", "full"):
-        raise ValueError(f"logits_mode={logits_mode!r} must be 'auto', 'fused' or 'full'.")
+    reward_placement = as_choice("reward_placement", reward_placement, ("local", "main"))
+    world_size = as_whole("world_size", world_size, 1)
+    if gpu_memory_gb is not None:
+        as_number("gpu_memory_gb", gpu_memory_gb, minimum=0, inclusive=False)
+    logits_mode = as_choice("logits_mode", logits_mode, ("auto", "fused", "full"))
 
     g = grpo_config
     check_setting_names(g)
     art = ARTICLE_TRAINING_SETTINGS
-    batch = int(setting(g, "per_device_train_batch_size", art["per_device_train_batch_size"]))
-    accum = int(setting(g, "gradient_accumulation_steps", art["gradient_accumulation_steps"]))
+
+    def whole(name: str, default: Any, minimum: int = 1, why: str = "") -> Any:
+        value = setting(g, name, default)
+        return None if value is None else as_whole(name, value, minimum, why)
+
+    def flag(name: str, default: bool) -> bool:
+        return as_bool(name, setting(g, name, default))
+
+    batch = whole("per_device_train_batch_size", art["per_device_train_batch_size"])
+    accum = whole("gradient_accumulation_steps", art["gradient_accumulation_steps"])
     if g is not None and not isinstance(g, Mapping) and not hasattr(g, "steps_per_generation"):
         steps = 1  # a TRL < 0.19 config: every micro-batch generates its own groups
     else:
         steps = resolve_steps_per_generation(
             {"per_device_train_batch_size": batch, "gradient_accumulation_steps": accum,
-             "steps_per_generation": setting(g, "steps_per_generation", None),
-             "generation_batch_size": setting(g, "generation_batch_size", None)}
+             "steps_per_generation": whole("steps_per_generation", None),
+             "generation_batch_size": whole("generation_batch_size", None)}
             if isinstance(g, Mapping) or g is None else g,
             world_size=world_size)
-    num_gen = int(setting(g, "num_generations", art["group_size"]))
-    completion = int(setting(g, "max_completion_length", art["max_length"] // 2))
-    prompt = int(prompt_length if prompt_length is not None else setting(g, "max_prompt_length", art["max_length"] // 2))
-    checkpointing = bool(setting(g, "gradient_checkpointing", art["gradient_checkpointing"]))
-    bf16 = bool(setting(g, "bf16", True)) if g is not None else True
-    fp16 = bool(setting(g, "fp16", False))
+    num_gen = whole("num_generations", art["group_size"], 2, " (GRPO normalizes rewards within a group; TRL refuses 1)")
+    completion = whole("max_completion_length", art["max_length"] // 2)
+    prompt = (as_whole("prompt_length", prompt_length, 1) if prompt_length is not None
+              else whole("max_prompt_length", art["max_length"] // 2))
+    checkpointing = flag("gradient_checkpointing", art["gradient_checkpointing"])
+    bf16 = flag("bf16", True) if g is not None else True
+    fp16 = flag("fp16", False)
     compute_dtype = "bfloat16" if bf16 else ("float16" if fp16 else "float32")
     init_kwargs = setting(g, "model_init_kwargs", {}) or {}
+    if isinstance(init_kwargs, str):  # a command line's JSON text, as transformers' argument parser takes it
+        with contextlib.suppress(ValueError):
+            init_kwargs = json.loads(init_kwargs)
+    if not isinstance(init_kwargs, Mapping):
+        raise _bad("model_init_kwargs", init_kwargs, "a dict of from_pretrained keyword arguments, e.g. {'dtype': 'bfloat16'}")
     if dtype is None:
         dtype = init_kwargs.get("dtype") or init_kwargs.get("torch_dtype")
         if dtype in (None, "auto"):
             dtype = compute_dtype
+    dtype_bytes(dtype)  # an unknown dtype is refused here, before anything is counted
     optim = setting(g, "optim", art["optim"])
-    optim = str(getattr(optim, "value", optim))  # OptimizerNames is a str enum
+    optim = getattr(optim, "value", optim)  # OptimizerNames is a str enum
+    if not isinstance(optim, str):
+        raise _bad("optim", optim, "an optimizer name such as 'adamw_torch' or 'adamw_8bit'")
     mode = detect_logits_mode() if logits_mode == "auto" else logits_mode
     lora = default_lora() if lora_config is None else lora_config
     dropout = float(getattr(lora, "lora_dropout", 0.0) or 0.0) > 0
     eval_shape = None
-    if setting(g, "eval_strategy", "no") != "no":  # IntervalStrategy is a str enum: compares by value
-        eval_shape = (int(setting(g, "per_device_eval_batch_size", 8)), int(setting(g, "num_generations_eval", num_gen)))
+    if as_choice("eval_strategy", setting(g, "eval_strategy", "no"), ("no", "steps", "epoch")) != "no":
+        eval_shape = (whole("per_device_eval_batch_size", 8), whole("num_generations_eval", num_gen))
     return RunSettings(
         world_size=world_size, batch=batch, accumulation=accum, steps=steps, num_generations=num_gen, prompt=prompt,
         completion=completion, checkpointing=checkpointing, compute_dtype=compute_dtype, dtype=dtype, optim=optim,
         logits_mode=mode, reward_placement=reward_placement, lora=lora, dropout=dropout, eval_shape=eval_shape,
-        gather_for_generation=bool(setting(g, "ds3_gather_for_generation", True)),
-        use_vllm=bool(setting(g, "use_vllm", False)),
+        gather_for_generation=flag("ds3_gather_for_generation", True), use_vllm=flag("use_vllm", False),
     )
