@@ -19,7 +19,9 @@ from grpo_patches.preflight import (
     PreflightError,
     PreflightWarning,
     RewardModelSpec,
+    count,
     count_parameters,
+    estimate,
     preflight,
 )
 
@@ -62,10 +64,10 @@ def test_hand_count_equals_peft_on_the_meta_model(lora):
 
 
 def test_configs_the_hand_count_cannot_do_go_through_peft():
-    assert not pf._is_plain_lora(lora_config(modules_to_save=["lm_head"]))
-    assert not pf._is_plain_lora(lora_config(target_modules="all-linear"))
-    assert not pf._is_plain_lora(lora_config(use_dora=True))
-    assert pf._is_plain_lora(lora_config())
+    assert not count._is_plain_lora(lora_config(modules_to_save=["lm_head"]))
+    assert not count._is_plain_lora(lora_config(target_modules="all-linear"))
+    assert not count._is_plain_lora(lora_config(use_dora=True))
+    assert count._is_plain_lora(lora_config())
 
 
 def test_trainable_share_follows_the_lora_config():
@@ -119,13 +121,52 @@ def test_steps_per_generation_counts_toward_the_rank_local_rule():
     assert quiet_preflight("qwen2.5-0.5b", grpo_config=shape, world_size=4).ok
 
 
+class _Zero3Config:
+    """What transformers reads from a live ``HfDeepSpeedConfig`` (needs no deepspeed install)."""
+
+    config = {"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1}
+
+    def is_zero3(self) -> bool:
+        return True
+
+
+def test_counts_under_a_live_zero3_deepspeed_config(monkeypatch):
+    """``accelerate launch`` with a ZeRO-3 config makes an ``HfDeepSpeedConfig`` before the script runs;
+    transformers' ``from_config`` then enters ``deepspeed.zero.Init``, which cannot work on the meta device."""
+    import transformers
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    expected = count_parameters("qwen2.5-0.5b")  # counted with no DeepSpeed config alive
+    rm_expected = count.count_reward_model(pf.load_model_config("qwen2.5-0.5b"))
+    monkeypatch.setattr(count, "_COUNT_CACHE", {})  # count afresh below, not from the caches
+    count._count_rm_cached.cache_clear()
+    monkeypatch.setattr(hf_deepspeed, "_hf_deepspeed_config_weak_ref", None)
+    try:
+        live = transformers.integrations.HfDeepSpeedConfig(dict(_Zero3Config.config))  # sets the weak reference
+    except Exception:  # deepspeed not installed: the same weak reference, to a stand-in
+        live = _Zero3Config()
+        hf_deepspeed.set_hf_deepspeed_config(live)
+    assert hf_deepspeed.is_deepspeed_zero3_enabled()
+    cfg = pf.load_model_config("qwen2.5-0.5b")
+    # upstream: ZeRO-3's init context on meta tensors ("Cannot copy out of meta tensor"; without deepspeed
+    # installed, the import of deepspeed it needs)
+    with pytest.raises((NotImplementedError, ImportError)), torch.device("meta"):
+        transformers.AutoModelForCausalLM.from_config(cfg)
+    report = quiet_preflight("qwen2.5-0.5b", sharding="zero3", reward_models=["qwen2.5-0.5b"], reward_placement="main")
+    assert report.params == expected
+    assert report.ranks[0].components["reward_weights"] == rm_expected * 2
+    assert hf_deepspeed.is_deepspeed_zero3_enabled()  # the live config is left as it was
+    count._count_rm_cached.cache_clear()
+    del live
+
+
 # ----------------------------------------------------------------------------------- memory model
 
 
 def test_components_follow_the_documented_formulas():
     report = quiet_preflight("qwen2.5-0.5b", grpo_config=SMALL, prompt_length=64)
     rank = report.ranks[0]
-    c, counts, arch = rank.components, report.params, pf._arch(pf.load_model_config("qwen2.5-0.5b"))
+    c, counts, arch = rank.components, report.params, count.architecture(pf.load_model_config("qwen2.5-0.5b"))
     assert c["weights"] == counts.frozen * 2
     assert c["lora_params"] == 4 * counts.trainable and c["optimizer_state"] == 8 * counts.trainable
     seqs, length = 4 * 1, 64 + 128
@@ -146,7 +187,7 @@ def test_fast_generation_counts_its_static_cache_and_merged_buffer_while_samplin
                            fast_generation={"release_after_sampling": False}).ranks[0]
     unmerged = quiet_preflight("qwen2.5-0.5b", grpo_config=SMALL, prompt_length=70,
                                fast_generation={"merge_lora": False}).ranks[0]
-    arch = pf._arch(pf.load_model_config("qwen2.5-0.5b"))
+    arch = count.architecture(pf.load_model_config("qwen2.5-0.5b"))
     static = 2 * arch.kv * (128 + 128) * 4 * 2 * arch.layers  # prompt 70 rounded up to 128, + 128 new tokens
     params = pf.count_parameters(pf.load_model_config("qwen2.5-0.5b"))
     merged = params.adapted * 2  # bf16: the seven projections of every layer once more
@@ -180,7 +221,7 @@ def test_merged_buffer_bytes_equal_the_buffer_measured_on_the_h200():
 def test_lean_lora_drops_the_fp32_input_copy_where_stock_peft_makes_one():
     from peft import LoraConfig
 
-    arch = pf._arch(pf.load_model_config("qwen2.5-0.5b"))
+    arch = count.architecture(pf.load_model_config("qwen2.5-0.5b"))
     tokens = 4 * (64 + 128)
     stock = quiet_preflight("qwen2.5-0.5b", grpo_config=SMALL, prompt_length=64).ranks[0]
     lean = quiet_preflight("qwen2.5-0.5b", grpo_config=SMALL, prompt_length=64, lean_lora=True).ranks[0]
@@ -234,7 +275,7 @@ def test_reward_model_placement():
     local = quiet_preflight("qwen2-1.5b", grpo_config=SMALL, world_size=4, reward_models=[rm])
     main = quiet_preflight("qwen2-1.5b", grpo_config=SMALL, world_size=4, reward_models=[rm],
                            reward_placement="main")
-    rm_bytes = pf._count_reward_model(pf.load_model_config("qwen2.5-0.5b")) * 2
+    rm_bytes = count.count_reward_model(pf.load_model_config("qwen2.5-0.5b")) * 2
     assert [r.components["reward_weights"] for r in local.ranks] == [rm_bytes] * 4
     assert [r.components["reward_weights"] for r in main.ranks] == [rm_bytes, 0, 0, 0]
     assert main.ranks[1].peak < local.ranks[1].peak
@@ -329,9 +370,9 @@ def test_small_headroom_is_advice_not_error():
 ])
 def test_activation_coefficients_match_a_cpu_measurement(kind, shape, dtype, autocast, act):
     hidden, inter, heads, kv_heads = shape
-    arch = pf._Arch(layers=1, hidden=hidden, intermediate=inter, heads=heads, kv_heads=kv_heads,
+    arch = count.Arch(layers=1, hidden=hidden, intermediate=inter, heads=heads, kv_heads=kv_heads,
                     head_dim=hidden // heads, vocab=64, model_type=kind, moe=False)
-    predicted = pf._layer_bytes_per_token(arch, act, dropout=True, device="cpu")
+    predicted = estimate.layer_bytes_per_token(arch, act, dropout=True, device="cpu")
     measured = measured_layer_bytes(kind, hidden, inter, heads, kv_heads, dtype, autocast)
     assert predicted == pytest.approx(measured, rel=0.10)
 

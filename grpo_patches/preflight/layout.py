@@ -56,7 +56,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["QUANTIZATIONS", "SHARDINGS", "DeepSpeedSettings", "Layout", "RoundCost", "quantized_bytes_per_weight"]
+__all__ = ["QUANTIZATIONS", "SHARDINGS", "DeepSpeedSettings", "Layout", "RoundCost", "quantized_bytes_per_weight",
+           "resolve_layout"]
 
 SHARDINGS = ("ddp", "zero2", "fsdp2", "zero3")
 QUANTIZATIONS = (None, "int8", "nf4")
@@ -349,3 +350,23 @@ def layout_from_environment(environ: Any = None) -> dict[str, Any]:
     if on("ACCELERATE_USE_FSDP"):
         return {"sharding": "fsdp2", "offload_base": on("FSDP_OFFLOAD_PARAMS")}
     return {"sharding": "ddp", "offload_base": False}
+
+
+def resolve_layout(sharding: str, *, quantization: str | None, double_quant: bool, offload_base: bool | None,
+                   deepspeed_config: Any, hidden_size: int, gather_for_generation: bool) -> Layout:
+    """The layout preflight's arguments describe: ``sharding="auto"`` and ``offload_base=None`` read
+    accelerate's environment, ZeRO reads ``deepspeed_config`` (default: accelerate's
+    ``ACCELERATE_DEEPSPEED_CONFIG_FILE``), and a ZeRO-3 config that offloads parameters offloads the base."""
+    import os
+
+    if sharding == "auto":
+        detected = layout_from_environment()
+        sharding = detected["sharding"]
+        offload_base = detected["offload_base"] if offload_base is None else offload_base
+    if deepspeed_config is None and sharding.startswith("zero"):
+        deepspeed_config = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") or None
+    ds = DeepSpeedSettings.from_config(deepspeed_config, hidden_size)
+    if offload_base is None and sharding == "zero3" and ds.offload_param in ("cpu", "nvme"):
+        offload_base = True
+    return Layout(sharding=sharding, quantization=quantization, double_quant=double_quant,
+                  offload_base=bool(offload_base), gather_for_generation=gather_for_generation, ds=ds)

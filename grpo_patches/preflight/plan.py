@@ -39,6 +39,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from grpo_patches.preflight.layout import Layout, RoundCost
+from grpo_patches.preflight.pipeline import preflight
+from grpo_patches.preflight.settings import check_setting_names, dtype_bytes, setting
 
 __all__ = ["KNOWN_FAILURES", "CostModel", "Plan", "PlanEntry", "plan"]
 
@@ -237,8 +239,6 @@ def plan(model_config: Any, *, grpo_config: Any = None, world_size: int = 1, gpu
     ``sharding`` / ``quantization`` / ``offload_base`` / ``reward_placement`` and the config's
     ``gradient_checkpointing`` / ``ds3_gather_for_generation`` are what the plan varies.
     """
-    from grpo_patches.preflight import _dtype_bytes, _setting, check_setting_names, preflight
-
     check_setting_names(grpo_config)
     varied = {"sharding", "quantization", "offload_base", "reward_placement", "double_quant"} & set(preflight_kwargs)
     if varied:
@@ -260,10 +260,10 @@ def plan(model_config: Any, *, grpo_config: Any = None, world_size: int = 1, gpu
                                offload_base=layout.offload_base, raise_on_error=False, warn=False, **preflight_kwargs)
         s = report.settings
         batch, steps, completion = s["per_device_train_batch_size"], s["steps_per_generation"], s["completion_length"]
-        beta = float(_setting(settings, "beta", 0.0) or 0.0)
-        cost = layout.round_cost(report.params, _dtype_bytes(s["dtype"]), world_size,
+        beta = float(setting(settings, "beta", 0.0) or 0.0)
+        cost = layout.round_cost(report.params, dtype_bytes(s["dtype"]), world_size,
                                  base_forwards=steps * (2 + (beta > 0)), generation_forwards=completion,
-                                 act=_dtype_bytes(s["compute_dtype"]))
+                                 act=dtype_bytes(s["compute_dtype"]))
         if ckpt:
             tokens = batch * (s["prompt_length"] + completion)
             cost = dataclasses.replace(cost, recompute_flops=steps * 2 * report.params.total * tokens)
