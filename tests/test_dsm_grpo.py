@@ -10,8 +10,8 @@ import grpo_patches
 from grpo_patches import generation
 from grpo_patches.generation import FAST_GEN_ATTR
 from grpo_patches.vendored.dsm_grpo import DSMGRPOConfig, DSMGRPOTrainer, group_advantages, grpo_loss
+from tests.fastgen_helpers import ALL_PROJ, Counting
 from tests.helpers import quiet, target_share, tiny_policy, tiny_tokenizer
-from tests.test_generation import ALL_PROJ, Counting
 
 PROMPTS = ["say the letter a", "say a", "please say a now", "the letter a please"]
 
