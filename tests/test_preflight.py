@@ -167,7 +167,7 @@ def test_fast_generation_counts_its_static_cache_and_merged_buffer_while_samplin
 
 def test_merged_buffer_bytes_equal_the_buffer_measured_on_the_h200():
     # MergedLoRAWeights.nbytes for the Qwen2.5-1.5B-shaped policy with the pinned LoRA, bf16
-    # (benchmarks/results/2026-12-01-h200-issue16-fused/decode-1.5b.json, merged_buffer_bytes)
+    # (benchmarks/results/2026-12-01-h200-fused-decode/decode-1.5b.json, merged_buffer_bytes)
     params = pf.count_parameters(pf.load_model_config("qwen2-1.5b"))
     assert params.adapted * 2 == 2620391424
     # a LoRA on q/v only merges those two
@@ -201,7 +201,7 @@ def test_lean_lora_drops_the_fp32_input_copy_where_stock_peft_makes_one():
 
 def test_lean_lora_is_offered_as_a_fix_and_predicts_the_h200_peaks():
     # H200, 1.5B policy, LoRA dropout 0.05, 24 GiB cap, fast generation, 8 x 256 tokens, ~80-token prompts
-    # (benchmarks/results/2026-12-01-h200-issue16-lean/): stock's largest batch 192 (208 out of memory);
+    # (benchmarks/results/2026-12-01-h200-lean-lora/): stock's largest batch 192 (208 out of memory);
     # with lean_lora peak allocated 17.29 / 19.46 GiB at 192 / 224 (the stock kit's: 20.98 at 192)
     config = dict(SMALL, max_completion_length=256)
     def run(batch, lean):
