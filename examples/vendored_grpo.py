@@ -31,7 +31,7 @@ G = 8  # num_generations
 
 def launch(argv: list[str], world_size: int) -> int:
     """Start the ranks (RANK/WORLD_SIZE/MASTER_* env: accelerate picks them up, gloo) and wait for them."""
-    from tests.launch import free_port
+    from grpo_patches.testing import free_port
 
     port = str(free_port())
     procs = []
@@ -79,7 +79,7 @@ def main() -> int:
         print(f"finished in {time.time() - t0:.0f} s with exit code {code}")
         return code
 
-    from tests.helpers import lora, prompt_dataset, quiet, tiny_policy, tiny_tokenizer
+    from grpo_patches.testing import prompt_dataset, quiet, tiny_lora, tiny_policy, tiny_tokenizer
 
     quiet()
     import torch
@@ -93,7 +93,7 @@ def main() -> int:
     if not args.unpatched:
         grpo_patches.apply(reward_placement=args.placement, reward_chunk_size=2 * G, targets=("vendored",))
     torch.manual_seed(0)
-    model = get_peft_model(tiny_policy(initializer_range=0.3), lora(r=8))
+    model = get_peft_model(tiny_policy(initializer_range=0.3), tiny_lora(r=8))
     config = DSMGRPOConfig(num_generations=G, max_new_tokens=8, learning_rate=1e-2,
                            per_device_batch_size=args.per_device_batch_size, seed=0)
     # the kit checks the shape here, before anything is built; cpu=True: gloo processes on CPU
