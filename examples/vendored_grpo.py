@@ -102,7 +102,7 @@ def main() -> int:
     except grpo_patches.GroupShapeError as exc:  # every rank refuses the same shape, before any step
         if os.environ["RANK"] == "0":
             print(exc, flush=True)
-        os._exit(2)  # torch 2.13 + gloo can hang at interpreter exit with the group alive (FACTS.md)
+        os._exit(2)  # torch 2.13 + gloo can hang at interpreter exit with the group alive
     rank, is_main = trainer.accelerator.process_index, trainer.accelerator.is_main_process
     torch.manual_seed(rank)  # each rank samples its own completions
 
@@ -134,7 +134,7 @@ def main() -> int:
     dist.barrier()
     dist.destroy_process_group()
     sys.stdout.flush()
-    os._exit(code)  # torch 2.13 + gloo can abort or hang at interpreter exit (FACTS.md)
+    os._exit(code)  # torch 2.13 + gloo can abort or hang at interpreter exit
 
 
 def write_plot(history: list[float], path: Path, unpatched: bool) -> None:

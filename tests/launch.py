@@ -2,7 +2,7 @@
 
 Ranks are started by hand with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT (accelerate and
 torch.distributed pick them up), not through a launcher that kills the others when one fails:
-the fault tests need to see what every rank does on its own (FACTS.md).
+the fault tests need to see what every rank does on its own.
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def end_rank(outdir: str, rank: int, data: dict, code: int) -> None:
     """A rank worker's last step: the JSON ``run_ranks`` reads, then an exit that cannot block.
 
     torch 2.13 + gloo at process exit can abort (group alive) or hang (group destroyed, normal
-    return); barrier, ``destroy_process_group()`` and ``os._exit`` fixed both (FACTS.md).
+    return); barrier, ``destroy_process_group()`` and ``os._exit`` fixed both.
     """
     with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
         json.dump(data, f)
