@@ -1164,7 +1164,7 @@ def main() -> None:
         dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)  # FACTS.md: clean exit on torch 2.13 + gloo
+    os._exit(code)  # torch 2.13 + gloo can abort or hang at interpreter exit
 
 
 if __name__ == "__main__":

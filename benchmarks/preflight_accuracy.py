@@ -2,7 +2,7 @@
 
     python benchmarks/preflight_accuracy.py > benchmarks/results/2026-11-29-h200-preflight/preflight_accuracy.md
 
-The runs of 2026-11-29-h200-x4 come from ``bash benchmarks/h200_x4_session.sh {1,2,3}`` (see that folder).
+The runs of 2026-11-29-h200-x4: the commands are in that folder's README.
 
 The 1.5B runs: ``accelerate launch --num_processes 1 --mixed_precision bf16 benchmarks/bench_grpo.py
 --policy 1.5b --grad-ckpt {off,on} --variants stock --steps 1 --warmup 1 --completion-len 128`` on

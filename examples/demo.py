@@ -27,7 +27,7 @@ GROUPS_SEEN: list[tuple[int, int]] = []  # (row, rank) per completion, recorded 
 
 def launch(argv: list[str], world_size: int) -> int:
     """Start the ranks (RANK/WORLD_SIZE/MASTER_* env, gloo) and wait for them all."""
-    from tests.launch import free_port
+    from grpo_patches.testing import free_port
 
     port = str(free_port())
     procs = []
@@ -64,12 +64,12 @@ def main() -> int:
         print(f"demo finished in {time.time() - t0:.0f} s with exit code {code}")
         return code
 
-    from tests.helpers import grpo_args, lora, prompt_dataset, quiet, tiny_policy, tiny_tokenizer
+    from grpo_patches.testing import prompt_dataset, quiet, tiny_lora, tiny_policy, tiny_tokenizer
 
     quiet()
     import torch.distributed as dist
     from transformers import ProgressCallback, TrainerCallback
-    from trl import GRPOTrainer
+    from trl import GRPOConfig, GRPOTrainer
 
     import grpo_patches
 
@@ -86,14 +86,15 @@ def main() -> int:
                 print(f"\nstep {state.global_step:3d}  reward mean {logs['reward']:.3f}  "
                       f"(std {logs.get('reward_std', float('nan')):.3f})", flush=True)
 
-    config = grpo_args(
-        output_dir=args.out, max_steps=args.steps, per_device_train_batch_size=16, num_generations=8,
-        max_completion_length=8, learning_rate=1e-2, lr_scheduler_type="constant", seed=0, disable_tqdm=rank != 0, logging_steps=1,
-        temperature=1.0, beta=0.0,
+    config = GRPOConfig(
+        output_dir=args.out, use_cpu=True, bf16=False, report_to=[], save_strategy="no", gradient_checkpointing=False,
+        dataloader_num_workers=0, max_steps=args.steps, per_device_train_batch_size=16, num_generations=8,
+        max_completion_length=8, learning_rate=1e-2, lr_scheduler_type="constant", seed=0, disable_tqdm=rank != 0,
+        logging_steps=1, temperature=1.0, beta=0.0,
     )
     trainer = GRPOTrainer(model=tiny_policy(initializer_range=0.3), reward_funcs=[share_of_a], args=config,
                           train_dataset=prompt_dataset(64), processing_class=tiny_tokenizer(),
-                          peft_config=lora(r=8), callbacks=[PrintRewards()])
+                          peft_config=tiny_lora(r=8), callbacks=[PrintRewards()])
     trainer.remove_callback(ProgressCallback)  # keep the bar, drop its dump of every log dict
     trainer.add_callback(QuietProgress())
     trainer.train()

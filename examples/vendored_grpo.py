@@ -31,7 +31,7 @@ G = 8  # num_generations
 
 def launch(argv: list[str], world_size: int) -> int:
     """Start the ranks (RANK/WORLD_SIZE/MASTER_* env: accelerate picks them up, gloo) and wait for them."""
-    from tests.launch import free_port
+    from grpo_patches.testing import free_port
 
     port = str(free_port())
     procs = []
@@ -79,7 +79,7 @@ def main() -> int:
         print(f"finished in {time.time() - t0:.0f} s with exit code {code}")
         return code
 
-    from tests.helpers import lora, prompt_dataset, quiet, tiny_policy, tiny_tokenizer
+    from grpo_patches.testing import prompt_dataset, quiet, tiny_lora, tiny_policy, tiny_tokenizer
 
     quiet()
     import torch
@@ -93,7 +93,7 @@ def main() -> int:
     if not args.unpatched:
         grpo_patches.apply(reward_placement=args.placement, reward_chunk_size=2 * G, targets=("vendored",))
     torch.manual_seed(0)
-    model = get_peft_model(tiny_policy(initializer_range=0.3), lora(r=8))
+    model = get_peft_model(tiny_policy(initializer_range=0.3), tiny_lora(r=8))
     config = DSMGRPOConfig(num_generations=G, max_new_tokens=8, learning_rate=1e-2,
                            per_device_batch_size=args.per_device_batch_size, seed=0)
     # the kit checks the shape here, before anything is built; cpu=True: gloo processes on CPU
@@ -102,7 +102,7 @@ def main() -> int:
     except grpo_patches.GroupShapeError as exc:  # every rank refuses the same shape, before any step
         if os.environ["RANK"] == "0":
             print(exc, flush=True)
-        os._exit(2)  # torch 2.13 + gloo can hang at interpreter exit with the group alive (FACTS.md)
+        os._exit(2)  # torch 2.13 + gloo can hang at interpreter exit with the group alive
     rank, is_main = trainer.accelerator.process_index, trainer.accelerator.is_main_process
     torch.manual_seed(rank)  # each rank samples its own completions
 
@@ -134,7 +134,7 @@ def main() -> int:
     dist.barrier()
     dist.destroy_process_group()
     sys.stdout.flush()
-    os._exit(code)  # torch 2.13 + gloo can abort or hang at interpreter exit (FACTS.md)
+    os._exit(code)  # torch 2.13 + gloo can abort or hang at interpreter exit
 
 
 def write_plot(history: list[float], path: Path, unpatched: bool) -> None:

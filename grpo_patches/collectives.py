@@ -2,7 +2,7 @@
 
 Why not the default process group: under NCCL a stuck peer blocks a collective for the group's
 timeout (30 minutes by default) and a peer that raised leaves the others with "Connection closed
-by peer" and no word of the cause (both seen with stock TRL, FACTS.md). The kit exchanges its
+by peer" and no word of the cause (both seen with stock TRL 1.16). The kit exchanges its
 small Python objects (payloads, rewards, error reports) over a separate gloo group created with
 the kit's own timeout, so every rank learns of a failure within that bound, with the original
 message.

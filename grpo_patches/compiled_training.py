@@ -4,7 +4,7 @@ In the H200 GRPO step the training phase runs at ~3x the time of its matmuls: th
 is chains of small kernels (PEFT's dropout, scaling and add around each of the seven adapted
 projections, RMSNorm and RoPE as elementwise sequences), run three times with gradient checkpointing
 (forward, recomputation, backward): of the 132.8k kernel launches of one profiled step at batch 192
-(fourth session), ~105k were the 257 decode steps' and the rest (~27k) mostly this; at small batches
+(1.5B policy on an H200), ~105k were the 257 decode steps' and the rest (~27k) mostly this; at small batches
 each launch also costs host time. Compiled
 (inductor), a layer's elementwise chains become a few fused kernels; the matmuls stay library calls.
 

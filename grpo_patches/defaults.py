@@ -288,8 +288,8 @@ def grpo_config(output_dir: str, **overrides: Any) -> Any:
         kwargs["gradient_checkpointing_kwargs"] = {"use_reentrant": reentrant}
     if kwargs.get("gradient_checkpointing") and "ddp_find_unused_parameters" not in ov:
         # A PeftModel is not a PreTrainedModel, so Trainer asks DDP to look for unused parameters, which
-        # fails with checkpointing ("mark a variable ready only once", TRL 0.23 / 0.26 + transformers 4.x,
-        # FACTS.md); every LoRA weight is used in every forward, so there are none to look for. Where the
+        # fails with checkpointing ("mark a variable ready only once", TRL 0.23 / 0.26 + transformers 4.x);
+        # every LoRA weight is used in every forward, so there are none to look for. Where the
         # search runs, it costs time: 0.974x step time with the pin on 2 H200s (benchmarks/results/).
         kwargs["ddp_find_unused_parameters"] = False
 

@@ -3,7 +3,7 @@
 Why: a rank killed by SIGKILL (the out-of-memory killer) leaves no message. Its peers, under gloo,
 fail at once in whatever collective they are in with "Connection closed by peer [addr]:port",
 naming no rank; under NCCL (or when the peer's host froze) they wait in the collective for the
-process group's timeout, 10-30 minutes (both seen with stock TRL, FACTS.md).
+process group's timeout, 10-30 minutes (both seen with stock TRL 1.16).
 
 How: while a rank is inside ``train()`` a daemon thread adds 1 to its counter in the job's
 rendezvous store every ``interval`` s and reads its peers' counters, over its own TCP connection to

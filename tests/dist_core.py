@@ -89,7 +89,7 @@ def main() -> int:
     if code == 0:
         dist.barrier()
         dist.destroy_process_group()
-    os._exit(code)  # torch 2.13 + gloo can abort or hang at interpreter exit (FACTS.md)
+    os._exit(code)  # torch 2.13 + gloo can abort or hang at interpreter exit
 
 
 if __name__ == "__main__":

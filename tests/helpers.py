@@ -1,5 +1,4 @@
-"""Tiny real components for tests and the demo: a Llama built from a config with random weights,
-a word-level tokenizer built locally (no hub), a prompt dataset with a row id column."""
+"""Test helpers: the tiny components (grpo_patches.testing), TRL configs and trainers for CPU tests, rewards."""
 
 from __future__ import annotations
 
@@ -7,75 +6,18 @@ import os
 import tempfile
 from typing import Any
 
-PROJ = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]  # the pinned LoRA targets
-WORDS = ["a", "b", "c", "d", "e", "f", "g", "h", "say", "the", "letter", "please", "now", "and", "or"]
-SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>"]
-
-
-def tiny_tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {tok: i for i, tok in enumerate(SPECIAL + WORDS)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        pad_token="<pad>",
-        eos_token="<eos>",
-        bos_token="<bos>",
-        unk_token="<unk>",
-        model_input_names=["input_ids", "attention_mask"],  # Llama rejects token_type_ids (FACTS.md)
-    )
-
-
-def tiny_config(kind: str = "llama", **overrides: Any):
-    from transformers import LlamaConfig, Qwen2Config
-
-    n_vocab = len(SPECIAL) + len(WORDS)
-    common = dict(vocab_size=n_vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                  pad_token_id=0, eos_token_id=1, bos_token_id=2, tie_word_embeddings=False)
-    common.update(overrides)
-    return (Qwen2Config if kind == "qwen2" else LlamaConfig)(**common)
-
-
-def tiny_policy(seed: int = 0, **overrides: Any):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(**overrides))
-    model.generation_config.pad_token_id = 0
-    model.generation_config.eos_token_id = 1
-    return model
-
-
-def tiny_reward_model(seed: int = 1, name: str = "tiny-reward-model"):
-    import torch
-    from transformers import AutoModelForSequenceClassification
-
-    torch.manual_seed(seed)
-    config = tiny_config(num_labels=1)
-    config._name_or_path = name
-    return AutoModelForSequenceClassification.from_config(config)
-
-
-def prompt_dataset(n_rows: int = 16):
-    from datasets import Dataset
-
-    letters = WORDS[:8]
-    rows = [{"prompt": f"say the letter {letters[i % 8]} please", "row": i, "target": letters[i % 8]}
-            for i in range(n_rows)]
-    return Dataset.from_list(rows)
-
-
-def lora(r: int = 4):
-    from peft import LoraConfig
-
-    return LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, task_type="CAUSAL_LM",
-                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+from grpo_patches.testing import (  # noqa: F401  (the tiny components, as the tests import them)
+    PROJ,
+    SPECIAL,
+    WORDS,
+    prompt_dataset,
+    quiet,
+    tiny_config,
+    tiny_policy,
+    tiny_reward_model,
+    tiny_tokenizer,
+)
+from grpo_patches.testing import tiny_lora as lora  # noqa: F401
 
 
 def on_gpu() -> bool:
@@ -105,16 +47,6 @@ def target_share(completions, target=None, **kwargs):
         goal = target[i] if target else "a"
         out.append(sum(w == goal for w in words) / max(len(words), 1))
     return out
-
-
-def quiet() -> None:
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    import logging
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    for name in ("transformers", "trl", "accelerate", "datasets", "peft"):
-        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 def patched_trl_trainer(args: Any, **apply_kw: Any):

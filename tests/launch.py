@@ -2,21 +2,21 @@
 
 Ranks are started by hand with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT (accelerate and
 torch.distributed pick them up), not through a launcher that kills the others when one fails:
-the fault tests need to see what every rank does on its own (FACTS.md).
+the fault tests need to see what every rank does on its own.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import random
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from grpo_patches.testing import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,41 +42,6 @@ def world_sizes(*sizes: int) -> list[int]:
     import torch
 
     return [n for n in sizes if n <= torch.cuda.device_count()]
-
-
-def _ephemeral_low() -> int:
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768  # Linux's default
-
-
-_HANDED_OUT: set[int] = set()
-
-
-def free_port() -> int:
-    """A port free now and outside the kernel's ephemeral range.
-
-    ``bind(0)`` hands out an ephemeral port, which the kernel may then give to any outgoing connection
-    (gloo opens many) before the world that was told to listen on it does: EADDRINUSE, seen in CI.
-    Below the range only an explicit bind can take it.
-    """
-    low = _ephemeral_low()
-    rng = random.SystemRandom()
-    for _ in range(200):
-        port = rng.randrange(10000, max(low, 10001))
-        if port in _HANDED_OUT:  # free now, but promised to a world that may not listen yet
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            _HANDED_OUT.add(port)
-            return port
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_ranks(module: str, *args: str, world_size: int = 2, deadline: float = 120.0,
@@ -136,7 +101,7 @@ def end_rank(outdir: str, rank: int, data: dict, code: int) -> None:
     """A rank worker's last step: the JSON ``run_ranks`` reads, then an exit that cannot block.
 
     torch 2.13 + gloo at process exit can abort (group alive) or hang (group destroyed, normal
-    return); barrier, ``destroy_process_group()`` and ``os._exit`` fixed both (FACTS.md).
+    return); barrier, ``destroy_process_group()`` and ``os._exit`` fixed both.
     """
     with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
         json.dump(data, f)

@@ -132,7 +132,7 @@ def main() -> int:
         json.dump(data, f)
     dist.barrier()
     dist.destroy_process_group()
-    os._exit(0)  # FACTS.md: a normal return after destroy can hang on gloo
+    os._exit(0)  # a normal return after destroy can hang on gloo
 
 
 if __name__ == "__main__":

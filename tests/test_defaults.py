@@ -105,7 +105,7 @@ def test_memory_settings_for_this_machine(tmp_path):
     cfg = build(tmp_path)
     assert cfg.gradient_checkpointing is True
     assert cfg.gradient_checkpointing_kwargs == {"use_reentrant": False}
-    assert cfg.ddp_find_unused_parameters is False  # PEFT + checkpointing + DDP (FACTS.md, TRL 0.23 / 0.26)
+    assert cfg.ddp_find_unused_parameters is False  # PEFT + checkpointing + DDP (TRL 0.23 / 0.26)
     assert cfg.bf16 is bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
     assert build(tmp_path, bf16=True, use_cpu=True).bf16 is True  # an explicit choice is kept
 

@@ -10,8 +10,8 @@ import grpo_patches
 from grpo_patches import generation
 from grpo_patches.generation import FAST_GEN_ATTR
 from grpo_patches.vendored.dsm_grpo import DSMGRPOConfig, DSMGRPOTrainer, group_advantages, grpo_loss
+from tests.fastgen_helpers import ALL_PROJ, Counting
 from tests.helpers import quiet, target_share, tiny_policy, tiny_tokenizer
-from tests.test_generation import ALL_PROJ, Counting
 
 PROMPTS = ["say the letter a", "say a", "please say a now", "the letter a please"]
 
@@ -126,9 +126,8 @@ def test_apply_fast_generation_samples_through_the_compiled_graph_loop():
     for t in (trainer, unpatched):
         t.generation_config = greedy
     enc = trainer.tokenizer(PROMPTS, return_tensors="pt", padding=True, padding_side="left")
-    calls = generation.GRAPH_STATS.calls
     fast = trainer.sample(enc["input_ids"], enc["attention_mask"])
-    assert generation.GRAPH_STATS.calls == calls + 1 and counting.compiles == 1 and counting.runs > 0
+    assert state.graph.calls == 1 and counting.compiles == 1 and counting.runs > 0
     assert trainer.model.training, "the model's mode is restored after sampling in eval mode"
     unpatched.model.eval()  # same weights (same seed), dropout off: what fast generation samples from
     eager = unpatched.sample(enc["input_ids"], enc["attention_mask"])
@@ -136,8 +135,32 @@ def test_apply_fast_generation_samples_through_the_compiled_graph_loop():
     # the whole step runs through it, and a trainer built before apply() stays unpatched
     trainer.generation_config = GenerationConfig(max_new_tokens=8, do_sample=True, pad_token_id=0, eos_token_id=1)
     trainer.step(PROMPTS)
-    assert state.calls == 2 and generation.GRAPH_STATS.calls == calls + 2
+    assert state.calls == 2 and state.graph.calls == 2
     assert not hasattr(unpatched, FAST_GEN_ATTR)
+
+
+def test_fast_generation_on_the_vendored_trainer_counts_and_warns_of_recompilation_as_on_trl():
+    """The vendored trainer's sampling goes through the same fast call as TRL's: its state reports
+    the calls, their wall time, the graphs compiled, the cache length, and a recompilation after
+    warm-up (an unbucketed cache meeting a longer prompt) is warned of."""
+    from transformers import GenerationConfig
+
+    counting = Counting()
+    grpo_patches.apply(fast_generation=counting.config(bucket=1))
+    trainer = make_trainer()
+    state = getattr(trainer, FAST_GEN_ATTR)
+    trainer.generation_config = GenerationConfig(max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=1)
+    lengths = []
+    with pytest.warns(RuntimeWarning, match="recompiled after warm-up"):
+        for prompt in ("say a", "please say the letter a now"):
+            enc = trainer.tokenizer([prompt] * 4, return_tensors="pt", padding=True, padding_side="left")
+            lengths.append(enc["input_ids"].shape[1])
+            trainer.sample(enc["input_ids"], enc["attention_mask"])
+    assert lengths[1] > lengths[0]
+    assert state.compiled and state.calls == 2 and len(state.seconds) == 2 and state.graph.calls == 2
+    assert state.cache_length == lengths[1] + 8 and state.merged_layers > 0
+    assert state.graphs_compiled >= 2 and state.graphs_after_first_call >= 1
+    assert state.graphs_compiled == counting.compiles
 
 
 PATCHED = ("__init__", "create_groups", "compute_rewards", "sample")

@@ -2,7 +2,7 @@
 FSDP2 over gloo, 2 processes), 2 steps each with the kit applied, then a resume from the checkpoint.
 
 The configs in examples/accelerate/ are written for GPUs; the CPU copy changes only ``use_cpu: true``
-and ``mixed_precision: "no"`` (``accelerate launch --cpu`` would start one process: FACTS.md).
+and ``mixed_precision: "no"`` (``accelerate launch --cpu`` would start one process).
 ZeRO-2/3 need DeepSpeed: tests/test_deepspeed.py runs the kit under them (``nox -s layouts``).
 """
 

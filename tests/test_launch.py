@@ -1,11 +1,11 @@
-"""The test harness's ports: a world told to listen on one must still find it free when it starts."""
+"""grpo_patches.testing.free_port, the ports the tests and examples start worlds on: a world told to listen on one must still find it free when it starts."""
 
 from __future__ import annotations
 
 import socket
 
-from tests import launch
-from tests.launch import _ephemeral_low, free_port
+from grpo_patches import testing
+from grpo_patches.testing import _ephemeral_low, free_port
 
 
 def test_free_ports_lie_below_the_ephemeral_range_and_are_free():
@@ -26,6 +26,6 @@ def test_a_port_handed_out_once_is_not_handed_out_again(monkeypatch):
         def randrange(self, *_):
             return next(draws)
 
-    monkeypatch.setattr(launch.random, "SystemRandom", Scripted)
+    monkeypatch.setattr(testing.random, "SystemRandom", Scripted)
     assert free_port() != first
     assert next(draws, None) is None  # it drew the repeat twice and took the third

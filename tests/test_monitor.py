@@ -204,4 +204,4 @@ if __name__ == "__main__":
     import sys
 
     sys.stdout.flush()
-    os._exit(_rank_worker(sys.argv[1]))  # FACTS.md: gloo at exit can hang or abort otherwise
+    os._exit(_rank_worker(sys.argv[1]))  # gloo at interpreter exit can hang or abort otherwise

@@ -48,7 +48,7 @@ def count_70b():
 def test_70b_config_is_counted_on_meta_in_seconds(count_70b):
     counts, seconds = count_70b
     assert 70.5e9 < counts.total < 71e9
-    assert counts.share == pytest.approx(0.002927, abs=2e-5)  # DIGEST S4: 0.29%
+    assert counts.share == pytest.approx(0.002927, abs=2e-5)  # the pinned LoRA trains 0.29% of a 70B
     assert seconds < 30, f"meta-device count took {seconds:.1f} s"
 
 
@@ -208,7 +208,7 @@ def test_fast_generation_counts_its_static_cache_and_merged_buffer_while_samplin
 
 def test_merged_buffer_bytes_equal_the_buffer_measured_on_the_h200():
     # MergedLoRAWeights.nbytes for the Qwen2.5-1.5B-shaped policy with the pinned LoRA, bf16
-    # (benchmarks/results/2026-12-01-h200-issue16-fused/decode-1.5b.json, merged_buffer_bytes)
+    # (benchmarks/results/2026-12-01-h200-fused-decode/decode-1.5b.json, merged_buffer_bytes)
     params = pf.count_parameters(pf.load_model_config("qwen2-1.5b"))
     assert params.adapted * 2 == 2620391424
     # a LoRA on q/v only merges those two
@@ -242,7 +242,7 @@ def test_lean_lora_drops_the_fp32_input_copy_where_stock_peft_makes_one():
 
 def test_lean_lora_is_offered_as_a_fix_and_predicts_the_h200_peaks():
     # H200, 1.5B policy, LoRA dropout 0.05, 24 GiB cap, fast generation, 8 x 256 tokens, ~80-token prompts
-    # (benchmarks/results/2026-12-01-h200-issue16-lean/): stock's largest batch 192 (208 out of memory);
+    # (benchmarks/results/2026-12-01-h200-lean-lora/): stock's largest batch 192 (208 out of memory);
     # with lean_lora peak allocated 17.29 / 19.46 GiB at 192 / 224 (the stock kit's: 20.98 at 192)
     config = dict(SMALL, max_completion_length=256)
     def run(batch, lean):

@@ -1,7 +1,7 @@
 """I5 through TRL: a reward function that raises or hangs on one rank makes every rank exit non-zero
 within reward_timeout + a few seconds, with the original message, the function's name and the rank.
 
-Upstream (FACTS.md, TRL 1.16): the raising rank dies alone and its peer gets "Connection closed by
+Upstream (TRL 1.16): the raising rank dies alone and its peer gets "Connection closed by
 peer"; a hanging reward function hangs both ranks for the 30-minute collective timeout.
 """
 

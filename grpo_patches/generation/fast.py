@@ -6,8 +6,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,9 +19,9 @@ from .cache import StaticCachePool
 from .config import FastGenerationConfig, cache_length, compile_config, compile_decision, warn_once
 from .decode import GRAPH_STATS, GraphDecodeStats, call_generate
 from .merged import MergedLoRAWeights
-from .modes import hidden_require_grad_hooks, left_pad, sampling_mode
+from .modes import SampledLogprobs, hidden_require_grad_hooks, left_pad, sampling_mode
 
-__all__ = ["FastGenerationState", "build_generation_config", "fast_generate", "sampling"]
+__all__ = ["FastCall", "FastGenerationState", "build_generation_config", "fast_call", "fast_generate", "sampling"]
 
 _POOLS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # fast_generate's caches, per model
 _MERGED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # fast_generate's merged buffers, per model
@@ -101,40 +102,104 @@ class FastGenerationState:
         return d
 
 
+@dataclass
+class FastCall:
+    """What one fast sampling call runs with (yielded by :func:`fast_call`)."""
+
+    generation_config: Any  # the fast copy of the trainer's / model's GenerationConfig
+    generate: Callable  # ``model.generate`` for this call: the graph loop or transformers' loop
+    recorder: SampledLogprobs | None  # the sampled-log-prob recorder (``record=True`` only)
+
+
+@contextlib.contextmanager
+def fast_call(state: FastGenerationState, model: nn.Module, base: Any, *, device: torch.device | str,
+              prompt_length: int, sharded: str | None = None, eager_note: str = "",
+              record: bool = False) -> Iterator[FastCall]:
+    """The steps every fast sampling call takes, whoever calls ``generate`` inside it.
+
+    Before: the compile decision (once per state; eager warned once), the fast generation config
+    (``base`` is not modified), the static cache length from ``state.pool``, the recorder
+    (``record`` and ``record_sampling_logprobs``; the graph loop falls back to transformers' loop
+    then), the sampling context (``sampling``). After: the caches released (``release_after_sampling``),
+    and the counters on ``state``: calls, seconds, graphs compiled, and recompilations after the
+    first call (warned once per cache length).
+    """
+    config = state.config
+    if state.compiled is None:
+        state.compiled, state.reason = compile_decision(device, config, sharded=sharded)
+    if not state.compiled:
+        warn_once(f"eager:{state.reason}",
+                  f"grpo_patches fast_generation: decoding runs eagerly ({state.reason}){eager_note}.")
+    gen_config = build_generation_config(base, config, prompt_length=prompt_length, device=device,
+                                         compiled=state.compiled)
+    if state.compiled:
+        state.cache_length = state.pool.grow(gen_config.max_cache_len)
+        gen_config.max_cache_len = state.cache_length
+        if config.reuse_cache:  # the pooled cache is fetched per call, in decode._pooled_generate
+            gen_config.cache_implementation = None  # transformers refuses both a cache and an implementation
+    recorder = SampledLogprobs(gen_config.temperature) if record and config.record_sampling_logprobs else None
+    inject: dict[str, Any] = {}
+    if recorder is not None:
+        from transformers import LogitsProcessorList
+
+        inject["logits_processor"] = LogitsProcessorList([recorder])
+    graph = state.compiled and config.decode_loop == "graph"
+    if graph and recorder is not None:
+        graph = False
+        state.graph.fallbacks += 1
+        warn_once("graph-fallback:record", "grpo_patches fast_generation: decode_loop='graph' falls back to "
+                  "transformers' loop (record_sampling_logprobs=True).")
+    generate = call_generate(model, state.pool if state.compiled else None, config, state.graph, graph=graph,
+                             **inject)
+    stack = contextlib.ExitStack()
+    with stack:
+        if config.release_after_sampling:
+            stack.callback(state.release)  # runs last: after the sampling context put the weights back
+        state.merged_layers = stack.enter_context(sampling(model, config, compiled=state.compiled,
+                                                           merged=state.merged))
+        state._active = True
+        stack.callback(setattr, state, "_active", False)
+        before, start = graphs_compiled(), time.perf_counter()
+        yield FastCall(gen_config, generate, recorder)
+        new_graphs = graphs_compiled() - before
+    state.seconds.append(time.perf_counter() - start)
+    state.graphs_compiled += new_graphs
+    if state.calls > 0 and new_graphs:
+        state.graphs_after_first_call += new_graphs
+        warn_once(
+            f"recompile:{state.cache_length}",
+            f"grpo_patches fast_generation: decoding was recompiled after warm-up (static cache length now "
+            f"{state.cache_length}; a longer prompt or a new batch size). Set FastGenerationConfig("
+            f"max_prompt_length=...) to size the cache once.",
+        )
+    state.calls += 1
+
+
 def fast_generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
                   generation_config: Any = None, config: FastGenerationConfig | None = None,
-                  logits_processor: Any = None, **kwargs: Any) -> torch.Tensor:
-    """``model.generate`` the way the trainer wrapper runs it (standalone: benchmarks, tests).
+                  logits_processor: Any = None, state: FastGenerationState | None = None,
+                  **kwargs: Any) -> torch.Tensor:
+    """``model.generate`` through :func:`fast_call` (the vendored trainer's sampling; benchmarks, tests).
 
     ``generation_config`` defaults to the model's; the fast copy gets the static cache, compile
     settings and the bucketed cache length; sampling runs in eval mode, flags restored, from the
     merged-weight buffer (``merge_lora``). With ``config.decode_loop="graph"`` (and compiled
-    decoding) the graph loop runs instead of ``model.generate`` where it supports the call
-    (counters: ``GRAPH_STATS``). ``release_after_sampling`` frees the caches and the buffer after.
+    decoding) the graph loop runs instead of ``model.generate`` where it supports the call.
+    ``release_after_sampling`` frees the caches and the buffer after. ``state``: a trainer's
+    (its caches, buffer and counters, ``config`` ignored); without it, the model's own caches and
+    buffer, one compile decision per call, and the counters in ``GRAPH_STATS``.
     """
-    config = config or FastGenerationConfig()
+    if state is None:
+        state = FastGenerationState(config or FastGenerationConfig(), pool=_POOLS.setdefault(model, StaticCachePool()),
+                                    merged=_MERGED.setdefault(model, MergedLoRAWeights()), graph=GRAPH_STATS)
+    config = state.config
     base = generation_config if generation_config is not None else model.generation_config
-    device = next(model.parameters()).device
-    compiled, reason = compile_decision(device, config)
-    if not compiled:
-        warn_once(f"eager:{reason}", f"grpo_patches fast_generation: decoding runs eagerly ({reason}).")
     if config.pad_prompts:
         input_ids, attention_mask = left_pad(input_ids, attention_mask, config.bucket,
                                              pad_token_id=base.pad_token_id or 0)
-    gc = build_generation_config(base, config, prompt_length=input_ids.shape[1], device=device, compiled=compiled)
-    pool = _POOLS.setdefault(model, StaticCachePool()) if compiled else None
-    if compiled:
-        gc.max_cache_len = pool.grow(gc.max_cache_len)
-        if config.reuse_cache or kwargs.get("past_key_values") is not None:
-            gc.cache_implementation = None  # transformers refuses both a cache and an implementation
-    merged = _MERGED.setdefault(model, MergedLoRAWeights())
-    generate = call_generate(model, pool, config, GRAPH_STATS, graph=compiled and config.decode_loop == "graph")
-    try:
-        with sampling(model, config, compiled=compiled, merged=merged), torch.no_grad():
-            return generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=gc,
-                            logits_processor=logits_processor, **kwargs)
-    finally:
-        if config.release_after_sampling:
-            merged.release()
-            if pool is not None:
-                pool.release(keep_graphs=config.keep_graph)
+    with fast_call(state, model, base, device=next(model.parameters()).device,
+                   prompt_length=input_ids.shape[1]) as call, torch.no_grad():
+        if state.compiled and kwargs.get("past_key_values") is not None:
+            call.generation_config.cache_implementation = None  # the call brings its own cache
+        return call.generate(input_ids=input_ids, attention_mask=attention_mask,
+                             generation_config=call.generation_config, logits_processor=logits_processor, **kwargs)

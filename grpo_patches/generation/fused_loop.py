@@ -208,12 +208,12 @@ def _capture(step: Callable, args: tuple, chunk: int, need: int = 0) -> tuple[An
     Not the ``torch.cuda.graph`` context, whose entry empties the allocator's cache at every capture: that
     handed each freed block (the released caches and merged buffer, the training phase's activations) back to
     the driver, so the next round's caches came back at other addresses (a kept graph captured again) and the
-    training phase allocated from the driver again (H200, 1.5B, batch 8: the training phase took 0.46-0.48 s in
-    one session's runs, 0.35 s, stock's, with the cache kept in the next). Emptying it still pays where memory
+    training phase allocated from the driver again (H200, 1.5B, batch 8: the training phase took 0.46-0.48 s with
+    the cache emptied at every capture, 0.35 s, stock's, with it kept). Emptying it still pays where memory
     is short: the private pool cannot use cached blocks, and long-lived tensors allocated into the training
     phase's cached segments can fragment them (under a 24 GiB cap at batch 256, lean_lora + keep_graph ran out
-    of memory with the cache kept, where the same options had fit with it emptied at every capture; not
-    separated on the device from the session's other change). So the cache is emptied first where less than
+    of memory with the cache kept, where the same options had fit with it emptied at every capture; that run
+    changed one other thing too, so the cause is not separated). So the cache is emptied first where less than
     ``need`` or a quarter of the memory the process may use (``_room``) is left, as ``torch.cuda.graph`` did,
     and after a capture that ran out of memory, which is then tried once more.
     """

@@ -29,14 +29,11 @@ from packaging.specifiers import SpecifierSet
 from torch import nn
 
 from .. import options as _options
-from ..collectives import FailFastGroup
-from ..compiled_training import enable_compiled_training
 from ..generation import FAST_GEN_ATTR, FastGenerationState, fast_generate
 from ..grouping import GroupShapeError, RankLocalGroupSampler, check_group_shape, nearest_valid_settings
-from ..lean_lora import enable_lean_lora
 from ..rewards import RewardBatch, Scored, compute_rewards, reward_column, validate_chunk_size
 from . import Adapter
-from .trl_glue import STATE_ATTR, TrainerPatchState, main_only_reward_funcs
+from .common import STATE_ATTR, TrainerPatchState, accepts, attach, main_only_reward_funcs
 
 __all__ = ["ADAPTER"]
 
@@ -83,13 +80,7 @@ def wrap_init(wrapped, instance, args, kwargs):
     wrapped(*bound.args, **bound.kwargs)
     if opts.reward_placement == "main":  # every rank names the functions as the main process does
         instance.reward_func_names = DSMGRPOTrainer.reward_names(funcs)
-    setattr(instance, STATE_ATTR, TrainerPatchState(opts, FailFastGroup(opts.collective_timeout)))
-    if opts.fast_generation is not None:
-        setattr(instance, FAST_GEN_ATTR, FastGenerationState(opts.fast_generation))
-    if opts.lean_lora:
-        enable_lean_lora(instance.model)
-    if opts.compile_training:
-        enable_compiled_training(instance.model, instance.accelerator)
+    attach(instance, opts)
 
 
 def wrap_create_groups(wrapped, instance, args, kwargs):
@@ -111,14 +102,6 @@ def _rank_local_groups(trainer: Any, dataset_size: int):
             yield stream[start + rank * b:start + (rank + 1) * b]
 
 
-def _accepts(func: Any, name: str) -> bool:
-    try:
-        params = inspect.signature(func).parameters.values()
-    except (TypeError, ValueError):
-        return False
-    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
-
-
 def _score(trainer: Any, batch: RewardBatch, group_ids: list[int], progress: dict[str, str]) -> Scored:
     """Every reward function and model on one chunk of whole groups, as the trainer calls them,
     each function's output checked (one finite value, or None, per completion)."""
@@ -135,7 +118,7 @@ def _score(trainer: Any, batch: RewardBatch, group_ids: list[int], progress: dic
                 values = trainer.score_with_model(func, tokenizer, batch.prompts, batch.completions).tolist()
             else:
                 values = func(prompts=list(batch.prompts), completions=list(batch.completions), **batch.columns,
-                              **{k: v for k, v in optional.items() if _accepts(func, k)})
+                              **{k: v for k, v in optional.items() if accepts(func, k)})
             rewards[:, i] = torch.tensor(reward_column(values, n, name), dtype=torch.float32)
         except Exception as exc:
             exc.grpo_patches_where = f"reward function '{name}'"  # type: ignore[attr-defined]
@@ -166,8 +149,9 @@ def wrap_sample(wrapped, instance, args, kwargs):
     state: FastGenerationState | None = getattr(instance, FAST_GEN_ATTR, None)
     if state is None:
         return wrapped(*args, **kwargs)
-    state.calls += 1  # sample(input_ids, attention_mask): fast_generate's own first parameters
-    return fast_generate(instance.policy, *args, generation_config=instance.generation_config, config=state.config,
+    # sample(input_ids, attention_mask): fast_generate's own first parameters; the trainer's state
+    # holds the caches, the merged buffer and the counters, as TRL's adapter's does
+    return fast_generate(instance.policy, *args, generation_config=instance.generation_config, state=state,
                          **kwargs)
 
 

@@ -11,21 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import math
-import time
 from collections.abc import Iterator
 from typing import Any
 
-from ..generation import (
-    FAST_GEN_ATTR,
-    FastGenerationConfig,
-    FastGenerationState,
-    SampledLogprobs,
-    build_generation_config,
-    compile_decision,
-)
-from ..generation.config import round_up, warn_once
-from ..generation.decode import call_generate
-from ..generation.fast import graphs_compiled, sampling
+from ..generation import FAST_GEN_ATTR, FastGenerationConfig, FastGenerationState
+from ..generation.config import round_up
+from ..generation.fast import fast_call
 
 __all__ = ["enable_fast_generation", "wrap_generate"]
 
@@ -72,71 +63,22 @@ def wrap_generate(wrapped, instance, args, kwargs):
     prompt_ids = args[0] if args else kwargs["prompt_ids"]
     config = state.config
     model = instance.accelerator.unwrap_model(instance.model_wrapped)
-    device = instance.accelerator.device
-    if state.compiled is None:
-        state.compiled, state.reason = compile_decision(device, config, sharded=_sharding(instance))
-    if not state.compiled:
-        warn_once(
-            f"eager:{state.reason}",
-            f"grpo_patches fast_generation: decoding runs eagerly ({state.reason}); sampling still runs "
-            f"with dropout off{' and bucketed prompts' if config.pad_prompts else ''}.",
-        )
     trl_multiple = instance.pad_to_multiple_of
     multiple = trl_multiple
     if config.pad_prompts:
         multiple = math.lcm(trl_multiple or 1, config.bucket)
-    prompt_length = _prompt_length(prompt_ids, multiple)
-    gen_config = build_generation_config(instance.generation_config, config, prompt_length=prompt_length,
-                                         device=device, compiled=state.compiled)
-    inject: dict[str, Any] = {}
-    if state.compiled:
-        state.cache_length = state.pool.grow(gen_config.max_cache_len)
-        gen_config.max_cache_len = state.cache_length
-        if config.reuse_cache:  # the pooled cache is fetched per call, in decode._pooled_generate
-            gen_config.cache_implementation = None  # transformers refuses both a cache and an implementation
-    recorder = SampledLogprobs(gen_config.temperature) if config.record_sampling_logprobs else None
-    if recorder is not None:
-        from transformers import LogitsProcessorList
-
-        inject["logits_processor"] = LogitsProcessorList([recorder])
-    graph = state.compiled and config.decode_loop == "graph"
-    if graph and recorder is not None:
-        graph = False
-        state.graph.fallbacks += 1
-        warn_once("graph-fallback:record", "grpo_patches fast_generation: decode_loop='graph' falls back to "
-                  "transformers' loop (record_sampling_logprobs=True).")
-
-    stack = contextlib.ExitStack()
-    with stack:
-        if config.release_after_sampling:
-            stack.callback(state.release)  # runs last: after the sampling context put the weights back
-        stack.enter_context(_patched_attr(instance, "generation_config", gen_config))
+    with fast_call(state, model, instance.generation_config, device=instance.accelerator.device,
+                   prompt_length=_prompt_length(prompt_ids, multiple), sharded=_sharding(instance),
+                   eager_note=f"; sampling still runs with dropout off{' and bucketed prompts' if config.pad_prompts else ''}",
+                   record=True) as call, contextlib.ExitStack() as stack:
+        stack.enter_context(_patched_attr(instance, "generation_config", call.generation_config))
         if multiple != trl_multiple:
             stack.enter_context(_patched_attr(instance, "pad_to_multiple_of", multiple))
-        if state.compiled or inject:  # TRL's call is `generate(**inputs, generation_config=...)`: ours, this call
-            generate = call_generate(model, state.pool if state.compiled else None, config, state.graph, graph=graph,
-                                     **inject)
-            stack.enter_context(_patched_attr(model, "generate", generate))
-        state.merged_layers = stack.enter_context(sampling(model, config, compiled=state.compiled,
-                                                           merged=state.merged))
-        state._active = True
-        stack.callback(setattr, state, "_active", False)
-        before, start = graphs_compiled(), time.perf_counter()
+        if state.compiled or call.recorder is not None:  # TRL's call is `generate(**inputs, generation_config=...)`
+            stack.enter_context(_patched_attr(model, "generate", call.generate))
         completion_ids, logprobs = wrapped(*args, **kwargs)
-        new_graphs = graphs_compiled() - before
-    state.seconds.append(time.perf_counter() - start)
-    state.graphs_compiled += new_graphs
-    if state.calls > 0 and new_graphs:
-        state.graphs_after_first_call += new_graphs
-        warn_once(
-            f"recompile:{state.cache_length}",
-            f"grpo_patches fast_generation: decoding was recompiled after warm-up (static cache length now "
-            f"{state.cache_length}; a longer prompt or a new batch size). Set FastGenerationConfig("
-            f"max_prompt_length=...) to size the cache once.",
-        )
-    state.calls += 1
-    if recorder is not None:
-        state.last_sampling_logprobs = recorder.finish(completion_ids)
+    if call.recorder is not None:
+        state.last_sampling_logprobs = call.recorder.finish(completion_ids)
     return completion_ids, logprobs
 
 

@@ -17,16 +17,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..collectives import FailFastGroup
-from ..compiled_training import enable_compiled_training
 from ..grouping import RankLocalGroupSampler, check_group_shape, epoch_of_state
-from ..lean_lora import enable_lean_lora
 from ..liveness import watching
 from ..options import PatchOptions, active
 from ..rewards import RewardBatch, Scored, chunk_slices, compute_rewards, reward_column, validate_chunk_size
+from .common import STATE_ATTR, TrainerPatchState, accepts, attach, main_only_reward_funcs
 from .trl_generation import enable_fast_generation
 
-STATE_ATTR = "_grpo_patches"
 UNSCORED_KEYS = ("prompt", "completion", "completion_ids")
 
 
@@ -40,14 +37,6 @@ class GroupShape:
     per_device_eval_batch_size: int
     num_generations_eval: int
     world_size: int
-
-
-@dataclass
-class TrainerPatchState:
-    """What a patched trainer carries: its options and its fail-fast group."""
-
-    options: PatchOptions
-    group: FailFastGroup
 
 
 def check_shape(shape: GroupShape, options: PatchOptions, *, evaluates: bool) -> None:
@@ -140,13 +129,7 @@ def init_wrapper(shape_of: Callable[[Any], GroupShape], *,
         wrapped(*bound.args, **bound.kwargs)
         if config is None:  # TRL built a default config: check it now
             check_shape(shape_of(instance.args), options, evaluates=evaluates(instance.args))
-        setattr(instance, STATE_ATTR, TrainerPatchState(options, FailFastGroup(options.collective_timeout)))
-        if options.fast_generation is not None:
-            enable_fast_generation(instance, options.fast_generation)
-        if options.lean_lora:
-            enable_lean_lora(instance.model)
-        if options.compile_training:
-            enable_compiled_training(instance.model, instance.accelerator)
+        attach(instance, options, fast_generation=enable_fast_generation)
 
     return _init
 
@@ -179,50 +162,6 @@ def train_wrapper(wrapped, instance, args, kwargs):
         return wrapped(*args, **kwargs)
     with watching():
         return wrapped(*args, **kwargs)
-
-
-def _placeholder(name: str, index: int) -> Callable:
-    def reward_model_on_main_process(*args: Any, **kwargs: Any) -> list[float]:
-        raise RuntimeError(
-            f"grpo_patches: reward model '{name}' lives on the main process only (reward_placement='main'); "
-            f"it was called on another rank."
-        )
-
-    reward_model_on_main_process.__name__ = name
-    reward_model_on_main_process.__qualname__ = name
-    reward_model_on_main_process.grpo_patches_placeholder_for = index  # type: ignore[attr-defined]
-    return reward_model_on_main_process
-
-
-def main_only_reward_funcs(reward_funcs: Any, is_main: bool) -> Any:
-    """Under reward_placement='main', non-main ranks get name-keeping placeholders for reward models.
-
-    TRL loads a reward model given by name, and moves a given ``nn.Module`` to the rank's device, in
-    ``__init__`` on every rank. A placeholder (a plain function with the model's display name) keeps
-    TRL's bookkeeping (names, weights, metric keys) identical on every rank while the model itself
-    is never loaded or moved on the other ranks.
-    """
-    if is_main or reward_funcs is None:
-        return reward_funcs
-    funcs = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
-    out = []
-    for i, func in enumerate(funcs):
-        if isinstance(func, str):
-            out.append(_placeholder(func.split("/")[-1], i))
-        elif isinstance(func, nn.Module):
-            name = getattr(func.config, "_name_or_path", "") or ""
-            out.append(_placeholder(name.split("/")[-1], i))
-        else:
-            out.append(func)
-    return out
-
-
-def _accepts(func: Callable, name: str) -> bool:
-    try:
-        params = inspect.signature(func).parameters.values()
-    except (TypeError, ValueError):
-        return False
-    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
 KIT_KWARGS = ("num_generations", "group_ids")  # reward kwargs of the kit's own (listwise rewards)
@@ -293,7 +232,7 @@ def score_batch(trainer: Any, batch: RewardBatch, group_ids: list[int], *, num_g
         if environments is not None:
             per_row["environments"] = environments[rows]
         for key, value in [*shared.items(), *per_row.items()]:
-            if _accepts(func, key):
+            if accepts(func, key):
                 kwargs[key] = value
         return dict(prompts=batch.prompts[rows], completions=batch.completions[rows],
                     completion_ids=batch.completion_ids[rows], **kwargs)

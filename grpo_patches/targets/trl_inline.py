@@ -25,15 +25,8 @@ from packaging.specifiers import SpecifierSet
 
 from ..rewards import RewardBatch, compute_rewards
 from . import Adapter
-from .trl_glue import (
-    STATE_ATTR,
-    GroupShape,
-    TrainerPatchState,
-    init_wrapper,
-    sampler_wrapper,
-    score_batch,
-    train_wrapper,
-)
+from .common import STATE_ATTR, TrainerPatchState
+from .trl_glue import GroupShape, init_wrapper, sampler_wrapper, score_batch, train_wrapper
 
 
 def _shape(spg: Callable[[Any], int]) -> Callable[[Any], GroupShape]:

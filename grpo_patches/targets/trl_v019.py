@@ -24,8 +24,9 @@ from typing import Any
 from packaging.specifiers import SpecifierSet
 
 from . import Adapter
+from .common import STATE_ATTR
 from .trl_generation import wrap_generate
-from .trl_glue import STATE_ATTR, GroupShape, init_wrapper, sampler_wrapper, train_wrapper, trl_layout_rewards
+from .trl_glue import GroupShape, init_wrapper, sampler_wrapper, train_wrapper, trl_layout_rewards
 
 
 def _shape(config: Any) -> GroupShape:

@@ -490,7 +490,7 @@ def main() -> None:
         dist.barrier()
         dist.destroy_process_group()
     print(f"worker: exit after {time.time() - start:.1f} s", file=sys.stderr, flush=True)
-    os._exit(code)  # torch 2.13 + gloo can abort or hang at interpreter exit (FACTS.md)
+    os._exit(code)  # torch 2.13 + gloo can abort or hang at interpreter exit
 
 
 OUTDIR = tempfile.gettempdir()

@@ -1,0 +1,215 @@
+"""generation.fused_loop: the fused step's CUDA-graph loop: captured once, replayed exactly, its
+allocator policy, and step-by-step decoding where a capture fails."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from grpo_patches import generation
+from grpo_patches.generation import FastGenerationConfig, fast_generate
+from tests.fastgen_helpers import (  # noqa: F401  (_fresh: autouse)
+    Counting,
+    _fresh,
+    batch,
+    eager_generate,
+    eos_prone_policy,
+    gpu,
+    graph_config,
+    greedy,
+    lora_policy,
+)
+
+
+@gpu
+@pytest.mark.slow
+def test_gpu_fused_loop_is_one_cuda_graph_per_check_every_tokens_captured_once_and_equal_to_eager():
+    model = eos_prone_policy().cuda()
+    kept = FastGenerationConfig(decode_loop="graph", check_every=4, release_after_sampling=False)
+    stats = generation.GRAPH_STATS.fused
+    captures0, replays0 = stats.captures, stats.replays
+    for seed, lengths in enumerate(([5, 9, 7, 3], [11, 4, 8, 6], [2, 13, 9, 9])):
+        ids, mask = (t.cuda() for t in batch(lengths, seed=seed))
+        assert torch.equal(fast_generate(model, ids, mask, generation_config=greedy(), config=kept),
+                           eager_generate(model, ids, mask)), lengths
+    assert stats.capture_errors == [] and stats.captures == captures0 + 1, "captured once, replayed after"
+    assert stats.replays - replays0 >= 3 * 2, "12 new tokens in replays of 4"
+    dropped = FastGenerationConfig(decode_loop="graph", check_every=4)  # the default: the graph goes with the cache
+    for expected in (1, 2):  # the first still replays the kept graph, then frees it; the second captures anew
+        assert torch.equal(fast_generate(model, ids, mask, generation_config=greedy(), config=dropped),
+                           eager_generate(model, ids, mask))
+        assert stats.captures == captures0 + expected and not generation._MERGED[model].chunks
+
+
+def test_capture_keeps_the_allocator_cache_unless_short_of_room_and_tries_once_more_after_running_out(monkeypatch):
+    """The fused loop's capture (CUDA only: its torch.cuda calls recorded here with stand-ins). The cache is
+    emptied only where less than the pool the last capture took, or a quarter of the memory the process may
+    use, is left (``torch.cuda.graph`` empties it at every capture, so the next round's caches moved), and
+    after a capture that ran out of memory, which is tried once more; every capture begun is ended."""
+    from contextlib import nullcontext
+
+    from grpo_patches.generation import fused_loop
+
+    log, reserved, free, fraction, fail = [], [0], [10_000], [1.0], []
+
+    class Graph:
+        def capture_begin(self, capture_error_mode):
+            log.append("begin")
+
+        def capture_end(self):
+            log.append("end")
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    for name, value in {"Stream": Stream, "current_stream": Stream, "stream": lambda s: nullcontext(),
+                        "synchronize": lambda: None, "CUDAGraph": Graph, "memory_reserved": lambda: reserved[0],
+                        "empty_cache": lambda: log.append("empty_cache"), "mem_get_info": lambda: (free[0], 10_000),
+                        "get_per_process_memory_fraction": lambda: fraction[0]}.items():
+        monkeypatch.setattr(torch.cuda, name, value, raising=False)
+
+    def step():
+        if log[-1:] == ["begin"] and fail:  # inside a capture (its steps log nothing)
+            fail.pop()
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (stand-in)")
+        reserved[0] += 10
+
+    def capture(need):
+        log.clear()
+        reserved[0] = 0
+        return fused_loop._capture(step, (), 4, need)[1], list(log)
+
+    assert capture(0) == (40, ["begin", "end"]), "no need known: the cache stays"
+    assert capture(40) == (40, ["begin", "end"]), "room for the pool beside the cache"
+    free[0] = 30
+    assert capture(40) == (40, ["empty_cache", "begin", "end"]), "short of free memory"
+    free[0] = 2_600
+    assert capture(40) == (40, ["begin", "end"]), "over a quarter of the device free"
+    free[0] = 2_400
+    assert capture(0) == (40, ["empty_cache", "begin", "end"]), "under a quarter free: defragmented"
+    free[0], fraction[0] = 10_000, 0.5  # within the process's fraction: 5000 - 10 (the warm-up step's) left
+    assert capture(40) == (40, ["begin", "end"]), "room within the memory fraction"
+    fraction[0] = 0.004  # 40 - 10
+    assert capture(40) == (40, ["empty_cache", "begin", "end"]), "short within the memory fraction"
+    fraction[0], fail[:] = 1.0, [True]
+    assert capture(0) == (40, ["begin", "end", "empty_cache", "begin", "end"]), "out of memory: emptied, again"
+    fail[:] = [True, True]
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        capture(0)
+    assert log == ["begin", "end", "empty_cache", "begin", "end"]
+
+
+@gpu
+@pytest.mark.slow
+def test_gpu_kept_graph_is_replayed_exactly_while_caches_and_buffer_are_back_at_its_addresses(monkeypatch):
+    """keep_graph with release_after_sampling: caches and merged buffer freed after every call, the graph
+    kept. Each call's addresses (weights, merged buffer, K/V caches) decide: those the graph was recorded
+    over -> replay, else capture. A graph replayed over moved caches reads freed memory: after the weight
+    change its tokens would be the old weights' (the allocator decides where the blocks land, so the test
+    follows the addresses each call saw)."""
+    from grpo_patches.generation import fused_loop
+
+    model = eos_prone_policy().cuda()
+    config = FastGenerationConfig(decode_loop="graph", check_every=4, keep_graph=True)
+    stats = generation.GRAPH_STATS.fused
+    ids, mask = (t.cuda() for t in batch([5, 9, 7, 3]))
+    # Everything the calls are compared with is computed first, so nothing else allocates between the calls.
+    noise = {n: torch.randn_like(p) * 0.05 for n, p in model.named_parameters() if p.requires_grad}
+    stepped = copy.deepcopy(model)
+    with torch.no_grad():
+        for n, p in stepped.named_parameters():
+            if n in noise:
+                p.add_(noise[n])
+    expected, expected_stepped = eager_generate(model, ids, mask), eager_generate(stepped, ids, mask)
+    assert not torch.equal(expected, expected_stepped), "a vacuous weight change"
+    seen, addresses = [], fused_loop._addresses
+    monkeypatch.setattr(fused_loop, "_addresses", lambda tensors: seen.append(addresses(tensors)) or seen[-1])
+    captured = []
+    for call in range(6):
+        if call == 4:  # an optimizer step in between: the replay reads the refreshed buffer
+            with torch.no_grad():
+                for n, p in model.named_parameters():
+                    if n in noise:
+                        p.add_(noise[n])
+        before = stats.captures
+        got = fast_generate(model, ids, mask, generation_config=greedy(), config=config)
+        assert torch.equal(got, expected_stepped if call >= 4 else expected), call
+        assert not generation._MERGED[model].chunks and not generation._POOLS[model].caches, "released"
+        assert len(seen) == call + 1
+        captured.append(stats.captures - before)
+        assert captured[-1] == int(call == 0 or seen[-1] != seen[-2]), (call, captured)
+    assert stats.capture_errors == [] and 0 in captured, f"the kept graph was never replayed: {captured}"
+    assert stats.graph_pool_bytes > 0
+    # Keep the released tensors alive, so the next call's caches and buffer land elsewhere.
+    merged, pool, held = generation._MERGED[model], generation._POOLS[model], []
+    release_merged, release_pool = merged.release, pool.release
+    merged.release = lambda: (held.extend(merged.chunks), release_merged())
+    pool.release = lambda keep_graphs=False: (held.extend(pool.caches.values()), release_pool(keep_graphs))
+    try:
+        captures = stats.captures
+        assert torch.equal(fast_generate(model, ids, mask, generation_config=greedy(), config=config), expected_stepped)
+        assert held and stats.captures == captures + int(seen[-1] != seen[-2])
+        captures, moves = stats.captures, merged.moves
+        assert torch.equal(fast_generate(model, ids, mask, generation_config=greedy(), config=config), expected_stepped)
+        assert merged.moves == moves + 1 and seen[-1] != seen[-2]
+        assert stats.captures == captures + 1, "moved: captured anew, not replayed"
+    finally:
+        del merged.release, pool.release
+
+
+def test_fused_loop_whose_graph_capture_fails_decodes_step_by_step_after_the_warm_up_step(monkeypatch):
+    """The fallback path: a capture that fails after its real warm-up step leaves the loop to finish
+    step by step from there (same tokens, no step run twice), warns once and does not try again over
+    the same caches."""
+    from grpo_patches.generation import fused_loop
+
+    model = eos_prone_policy()
+    ids, mask = batch([5, 9, 7, 3])
+    eager = eager_generate(model, ids, mask)
+    attempts = []
+
+    def failing_capture(step, args, chunk, need):
+        step(*args)  # the real warm-up step, as _capture runs it
+        attempts.append(chunk)
+        raise RuntimeError("simulated: operation not permitted when stream is capturing")
+
+    stats = generation.GRAPH_STATS.fused
+    errors0 = len(stats.capture_errors)
+    reference = Counting()  # no graphs at all: step by step from the first token
+    plain = fast_generate(model, ids, mask, generation_config=greedy(),
+                          config=graph_config(reference, check_every=4, release_after_sampling=False))
+    monkeypatch.setattr(fused_loop, "_graphs_on", lambda device: True)
+    monkeypatch.setattr(fused_loop, "_capture", failing_capture)
+    fallback = Counting()
+    with pytest.warns(RuntimeWarning, match="could not be captured"):
+        first = fast_generate(model, ids, mask, generation_config=greedy(),
+                              config=graph_config(fallback, check_every=4, release_after_sampling=False))
+    assert torch.equal(plain, eager) and torch.equal(first, eager)
+    assert fallback.runs == reference.runs, "the warm-up step counts: none is run twice, none skipped"
+    second = fast_generate(model, ids, mask, generation_config=greedy(),
+                           config=graph_config(fallback, check_every=4, release_after_sampling=False))
+    assert torch.equal(second, eager)
+    assert attempts == [4] and len(stats.capture_errors) == errors0 + 1, "one attempt over the same caches"
+
+
+def test_pool_release_keeps_captured_graphs_only_when_asked_and_forgets_a_failed_capture():
+    from grpo_patches.generation.cache import StaticCachePool
+    from grpo_patches.generation.fused_loop import _FAILED, _Captured
+
+    pool = StaticCachePool()
+    pool.grow(32)
+    pool.get(lora_policy(), 2)
+    captured, uncaptured = _Captured(state=(), graph=object()), _Captured(state=())
+    graphs = {(2, 32): captured, (4, 32): uncaptured, _FAILED: True}
+    pool.graphs = dict(graphs)
+    pool.release(keep_graphs=True)
+    assert pool.caches == {} and pool.graphs == {(2, 32): captured}, "the graph stays; a failure is forgotten"
+    pool.graphs = dict(graphs)
+    pool.release()
+    assert pool.graphs == {}
+    pool.graphs = {(2, 32): captured}
+    pool.grow(64)  # a longer cache: no graph recorded over the old length replays
+    assert pool.graphs == {}
