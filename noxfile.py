@@ -83,6 +83,26 @@ def _torch_args(session: nox.Session) -> list[str]:
     return [f"torch=={TORCH_VERSION}+cpu", "--extra-index-url", TORCH_CPU_INDEX]
 
 
+def _shared_torch(session: nox.Session) -> None:
+    """Give the session the one shared CPU torch instead of a copy: a ``.pth`` line puts the site-packages of
+    ``.nox/.torch`` (built on first use) after the session's own. Linking torch's ~15k files into every venv,
+    and compiling its modules again in each, cost ~5 s a session; torch is never part of a pinned set (the
+    ``--override`` below keeps it out of every resolve, so the session's own packages still win)."""
+    base = ROOT / ".nox" / ".torch"
+    python = base / "bin" / "python"
+    marker = base / "installed.txt"
+    wanted = " ".join(_torch_args(session))
+    if not marker.exists() or marker.read_text() != wanted:
+        session.run("uv", "venv", "--allow-existing", "--python", sys.executable, str(base), external=True)
+        session.run("uv", "pip", "install", "--python", str(python), *_torch_args(session), external=True)
+        marker.write_text(wanted)
+    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True, timeout=60).stdout.strip()
+    own = session.run("python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])",
+                      silent=True, log=False).strip()
+    Path(own, "_grpo_patches_shared_torch.pth").write_text(site + "\n")
+
+
 def _cap(released: str) -> str:
     """The resolve cap: midnight UTC after the release day (a bare date means end of that day to uv)."""
     day = datetime.date.fromisoformat(released) + datetime.timedelta(days=1)
@@ -96,7 +116,7 @@ def _no_torch_override(session: nox.Session) -> str:
 
 
 def _install(session: nox.Session, trl: str, pins: dict[str, str] | None, cap: str | None) -> None:
-    session.install(*_torch_args(session))
+    _shared_torch(session)
     requirements = [f"trl=={trl}", "peft", "datasets"]
     if pins:
         requirements = [f"trl=={trl}"] + [f"{name}=={pins[name]}" for name in PINNED]
@@ -148,7 +168,7 @@ def _fork_session(trl: str, row: dict[str, str]) -> None:
         # The release's pinned set, pytest, and NOTHING of this repo: tests/fork/drive.py applies
         # patches/trl-<release>.patch to this venv's TRL, then tests/matrix runs in fork mode (I1-I6 on
         # 2 ranks started from a scratch folder, where grpo_patches is not importable; tests/matrix/kit.py).
-        session.install(*_torch_args(session))
+        _shared_torch(session)
         requirements = [f"trl=={trl}"] + [f"{name}=={row[name]}" for name in PINNED]
         session.install(*requirements, "--exclude-newer", _cap(row["released"]), "--override",
                         _no_torch_override(session))
@@ -227,7 +247,7 @@ def mutations(session: nox.Session) -> None:
     """
     trl = max(COMPAT["supported"], key=lambda v: tuple(int(p) for p in v.split(".")))
     row = COMPAT["supported"][trl]
-    session.install(*_torch_args(session))
+    _shared_torch(session)
     session.install(f"trl=={trl}", *(f"{name}=={row[name]}" for name in PINNED), "--exclude-newer",
                     _cap(row["released"]), "--override", _no_torch_override(session))
     session.install(*TEST_DEPS)

@@ -62,27 +62,6 @@ def first_generation(trainer, seed=123):
     return batch, out
 
 
-def scenario_shape(data):
-    # 1. Stock TRL: 2 completions per rank with num_generations=4 -> each group split over 2 ranks.
-    grpo_patches.revert()
-    build(grpo_args(per_device_train_batch_size=2, num_generations=4, max_steps=2)).train()
-    data["stock_calls"] = list(CALLS)
-    CALLS.clear()
-    # 2. Patched: the same config is refused at construction.
-    grpo_patches.apply()
-    try:
-        build(grpo_args(per_device_train_batch_size=2, num_generations=4))
-        data["patched_error"] = None
-    except grpo_patches.GroupShapeError as exc:
-        data["patched_error"] = str(exc)
-    # 3. Patched, valid config, main placement in chunks: rank 0 scores both ranks' groups in chunks of
-    # two groups each, so whole groups and distinct group ids per call are the kit's doing.
-    grpo_patches.apply(reward_placement="main", reward_chunk_size=4)
-    build(grpo_args(per_device_train_batch_size=4, num_generations=2, max_steps=2)).train()
-    data["patched_calls"] = list(CALLS)
-    grpo_patches.revert()
-
-
 MODES = [
     {"scale_rewards": "group"},
     {"scale_rewards": "none"},
@@ -147,33 +126,6 @@ def scenario_main(data):
     trainer.train()
     data["train_calls"] = list(CALLS)
     data["model_forwards"] = len(forwards)  # the user's reward model object, run by training on this rank
-
-
-def epoch_mark():
-    from transformers import TrainerCallback
-
-    class EpochMark(TrainerCallback):
-        def on_epoch_begin(self, args, state, control, **kwargs):
-            EPOCH["e"] += 1
-
-    return EpochMark()
-
-
-def scenario_coverage(data):
-    """Stock first, then patched, on the same dataset: the rows of every reward call, by epoch."""
-    n_rows, epochs = int(data["argv"][0]), int(data["argv"][1])
-    for label in ("stock", "patched"):
-        if label == "stock":
-            grpo_patches.revert()
-        else:
-            grpo_patches.apply()
-        CALLS.clear()
-        EPOCH["e"] = -1
-        trainer = build(grpo_args(per_device_train_batch_size=4, num_generations=2, max_steps=-1,
-                                  num_train_epochs=epochs), n_rows=n_rows, callbacks=[epoch_mark()])
-        trainer.train()
-        data[label] = {"calls": list(CALLS), "steps": trainer.state.global_step}
-    grpo_patches.revert()
 
 
 def scenario_fault(data):
