@@ -77,6 +77,16 @@ def test_the_check_refuses_a_hand_edited_patch(tmp_path):
     assert not result.ok and "does not match" in result.detail
 
 
+def test_the_check_applies_the_bundle_to_the_whole_release_tree(tmp_path):
+    """A bundle file that the release already has is a conflict, found in the release's full trl/ tree."""
+    target = TARGETS[-2]
+    edited = tmp_path / "grpo_rank_local.patch"
+    edited.write_text(fork.bundle_of(target).patch_path.read_text().replace(
+        f"{target.package}/watchdog.py", "trl/trainer/utils.py"))
+    result = fork.check_patch(target, bundle=edited)
+    assert not result.ok and "trl/trainer/utils.py" in result.detail, result.detail
+
+
 def _package(root, files):
     for name, text in files.items():
         path = root / name
