@@ -9,7 +9,8 @@
     nox -s mutations                    # planted bugs (tests/mutations.toml) must each fail their guards
     nox -t fork                         # every release's fork patch, applied, grpo_patches absent
     nox -s fork-0.15.2                  # tests/matrix in fork mode against one release's patched TRL
-    nox -t fork-ci                      # the fork releases CI runs: one per group of identical edits + newest
+    nox -t fork-groups                  # the same for one release per group of equal edit patches + the newest
+    nox -t fork-edits-5                 # every release of one such group (`grpo-patches edit-groups` lists them)
 
 Each session builds a fresh uv venv (hard links from uv's cache: about 2 s per release once the cache
 is warm), installs CPU torch first (uncapped; torch is never part of the pinned set), then TRL and
@@ -28,7 +29,6 @@ Every session exports GRPO_PATCHES_TRL_VERSION (the TRL release under test) to t
 from __future__ import annotations
 
 import datetime
-import hashlib
 import json
 import os
 import re
@@ -160,56 +160,56 @@ for _trl, _row in COMPAT["supported"].items():
     _matrix_session(_trl, _row)
 
 
+def _edit_groups(releases: list[str]) -> tuple[dict[str, int], list[str]]:
+    """Each release's group of equal edit patches (1-based, oldest first) and the releases ``fork-groups``
+    runs: one per group plus the newest. The bundle is the same for every release, so a group's members
+    run the same patched code on their own TRL. grpo_patches/fork/groups.py is standard library only:
+    loaded by its path, without importing the kit (and torch) into nox."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_edit_groups", ROOT / "grpo_patches" / "fork" / "groups.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    texts = {r: (ROOT / "patches" / f"trl-{r}.patch").read_text() for r in releases
+             if (ROOT / "patches" / f"trl-{r}.patch").is_file()}
+    groups = module.edit_groups(texts)
+    number = {r: n for n, group in enumerate(groups, 1) for r in group}
+    return number, module.representatives(groups, releases[-1]) if releases else []
+
+
+_FORK_RELEASES = sorted((r for r in COMPAT["supported"] if r not in COMPAT.get("grpo_free", [])),
+                        key=lambda r: tuple(int(x) for x in r.split(".")))
+_FORK_GROUP, _FORK_PICKS = _edit_groups(_FORK_RELEASES)
+
+
 def _fork_session(trl: str, row: dict[str, str]) -> None:
-    tags = ["fork", f"fork-{row['era']}"] + (["fork-ci"] if trl in _FORK_CI else [])
+    tags = ["fork", f"fork-{row['era']}", f"fork-edits-{_FORK_GROUP.get(trl, 0)}"]
+    tags += ["fork-groups"] if trl in _FORK_PICKS else []
 
     @nox.session(name=f"fork-{trl}", tags=tags, reuse_venv=False, default=False)
     def fork(session: nox.Session) -> None:
         # The release's pinned set, pytest, and NOTHING of this repo: tests/fork/drive.py applies
-        # patches/trl-<release>.patch to this venv's TRL, then tests/matrix runs in fork mode (I1-I6 on
-        # 2 ranks started from a scratch folder, where grpo_patches is not importable; tests/matrix/kit.py).
+        # patches/grpo_rank_local.patch (the kit's code) and patches/trl-<release>.patch (the release's
+        # edits) to this venv's TRL, then tests/matrix runs in fork mode (I1-I6 on 2 ranks started from a
+        # scratch folder, where grpo_patches is not importable; tests/matrix/kit.py).
         _shared_torch(session)
         requirements = [f"trl=={trl}"] + [f"{name}=={row[name]}" for name in PINNED]
         session.install(*requirements, "--exclude-newer", _cap(row["released"]), "--override",
                         _no_torch_override(session))
         session.install(*FORK_TEST_DEPS, "--override", _no_torch_override(session))
         _versions(session)
-        session.run("python", "tests/fork/drive.py", "--patch", f"patches/trl-{trl}.patch", "--apply-only")
+        session.run("python", "tests/fork/drive.py", "--patch", "patches/grpo_rank_local.patch",
+                    "--patch", f"patches/trl-{trl}.patch", "--apply-only")
         # posargs: any other command in the patched venv instead of the matrix
         command = session.posargs or ["python", "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "tests/matrix"]
         session.run(*command, env={"GRPO_PATCHES_TRL_VERSION": trl, "GRPO_PATCHES_MATRIX_MODE": "fork"})
 
-    fork.__doc__ = (f"TRL {trl} with patches/trl-{trl}.patch applied, grpo_patches not installed: "
-                    "tests/matrix (I1-I6) in fork mode")
+    fork.__doc__ = (f"TRL {trl} with patches/grpo_rank_local.patch + trl-{trl}.patch applied, grpo_patches not "
+                    "installed: tests/matrix (I1-I6) in fork mode")
 
 
-def _edit_signature(trl: str) -> str:
-    """What patches/trl-<release>.patch adds and removes, without context lines, hunk positions or the
-    release's own version string: releases with the same signature get the same edits to the same code."""
-    patch = ROOT / "patches" / f"trl-{trl}.patch"
-    if not patch.exists():
-        return f"missing:{trl}"
-    changed = [line.replace(trl, "<release>") for line in patch.read_text().splitlines()
-               if line[:1] in "+-" and not line.startswith(("+++", "---"))]
-    return hashlib.sha256("\n".join(changed).encode()).hexdigest()
-
-
-def fork_ci_releases() -> list[str]:
-    """The fork releases CI runs: the first release of each group of identical edit signatures, and the newest.
-    Every release's patch is still checked for exact application (check-patches --fresh), and every release's
-    behaviour under the same kit code by the version matrix; the fork run adds what the edits do."""
-    releases = [t for t in COMPAT["supported"] if t not in COMPAT.get("grpo_free", [])]
-    releases.sort(key=lambda v: tuple(int(p) for p in v.split(".")))
-    first: dict[str, str] = {}
-    for trl in releases:
-        first.setdefault(_edit_signature(trl), trl)
-    return sorted({*first.values(), releases[-1]}, key=lambda v: tuple(int(p) for p in v.split(".")))
-
-
-_FORK_CI = fork_ci_releases()
-for _trl, _row in COMPAT["supported"].items():
-    if _trl not in COMPAT.get("grpo_free", []):
-        _fork_session(_trl, _row)
+for _trl in _FORK_RELEASES:
+    _fork_session(_trl, COMPAT["supported"][_trl])
 
 
 def _newest_trl(session: nox.Session) -> str:

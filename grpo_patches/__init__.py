@@ -33,6 +33,7 @@ import warnings
 from typing import Any
 
 from . import options as _options
+from . import surface as _surface
 from .collectives import CollectiveTimeoutError, RemoteFailureError
 from .grouping import GroupShapeError
 from .patching import AppliedPatch, patch, unpatch
@@ -67,7 +68,7 @@ def __getattr__(name: str):
         return loaded if attr is None else getattr(loaded, attr)
     raise AttributeError(f"module 'grpo_patches' has no attribute {name!r}")
 
-__version__ = "0.1.0"
+__version__ = _surface.VERSION
 
 _lock = threading.Lock()
 TARGETS = ("trl", "vendored")
@@ -88,30 +89,8 @@ def apply(
     """Patch ``trl.GRPOTrainer`` in place; returns whether a patch is active afterwards.
 
     The vendored trainer (:mod:`grpo_patches.vendored.dsm_grpo`) is patched with it, with the
-    same options.
-
-    Args:
-        reward_placement: ``"local"`` (each rank scores its own whole groups) or ``"main"``
-            (reward models and functions run on the main process only).
-        reward_chunk_size: most completions scored in one call; a multiple of ``num_generations``
-            (checked when the trainer is built). ``None``: one call per rank / per step.
-        reward_timeout: seconds a step's reward computation may take before every rank raises.
-        strict: on a TRL release outside the tested range raise :class:`UnsupportedVersionError`;
-            with ``False``, warn and patch nothing.
-        fast_generation: compiled decoding under a static KV cache with dropout off while
-            sampling (``True``, a dict of :class:`~grpo_patches.generation.FastGenerationConfig`
-            fields, or such a config); on CPU it warns once and samples eagerly.
-        lean_lora: under bf16 / fp16 autocast, the policy's LoRA layers run their dropout and
-            adapter on the input as it is, skipping PEFT's fp32 copy (autocast rounds the adapter's
-            input back anyway, so values are unchanged; dropout masks are drawn by another kernel).
-            Saves memory traffic and transient memory in every training forward and backward.
-        compile_training: the policy's decoder layers run compiled (inductor) whenever autograd is
-            on (the training forward and its recomputation), eager otherwise (sampling). Fewer, fused
-            kernels; not bit-identical to eager (rounding, dropout masks). One process or DDP.
-        targets: which trainers to patch: ``"trl"`` (``trl.GRPOTrainer``) and/or ``"vendored"``
-            (the vendored DeepSeekMath-style trainer). Both by default, and then only if the
-            installed TRL is patched; ``("vendored",)`` patches the vendored trainer alone and
-            needs no TRL.
+    same options. Each option's help (below) lives in :mod:`grpo_patches.surface`, which the fork
+    patches' ``GRPOConfig`` fields read too.
 
     Calling ``apply()`` again never wraps twice; it replaces the options for trainers built
     afterwards. Trainers built before the first ``apply()`` stay unpatched.
@@ -156,6 +135,10 @@ def apply(
                 raise
         _options.set_active(opts)
         return True
+
+
+if apply.__doc__:  # None under python -OO
+    apply.__doc__ += "\n" + _surface.args_section()
 
 
 def revert() -> None:

@@ -160,9 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
     _add_doctor(sub)
     _add_versions(sub)
-    from .patchgen import add_subcommands as _add_patch_commands
+    from .fork.commands import add_subcommands as _add_patch_commands
 
-    _add_patch_commands(sub)  # make-patches, check-patches
+    _add_patch_commands(sub)  # make-patches, check-patches, edit-groups
     return parser
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from grpo_patches import patchgen
+from grpo_patches import fork as fork_patches
 from tests.fork import env as fork_env
 from tests.launch import describe, run_ranks
 
@@ -31,9 +31,9 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[1]
 FORK = ROOT / "tests" / "fork"
-TRL_TARGETS = [t for t in patchgen.targets() if t.release != "vendored"]
+TRL_TARGETS = [t for t in fork_patches.targets() if t.release != "vendored"]
 ENDS = [TRL_TARGETS[0], TRL_TARGETS[-1]]  # the oldest and the newest supported release
-VENDORED = next(t for t in patchgen.targets() if t.release == "vendored")
+VENDORED = next(t for t in fork_patches.targets() if t.release == "vendored")
 _envs: dict[str, Path] = {}
 
 
@@ -132,13 +132,13 @@ def test_apply_options_are_grpo_config_fields(target, tmp_path_factory):
 
 
 def test_patched_vendored_trainer_behaves_like_the_monkeypatch(tmp_path, tmp_path_factory):
-    """dsm_grpo.patch on a copy of the vendored file, run where grpo_patches is not importable, gives the
-    same step as grpo_patches.apply(fast_generation=...) on the kit's own copy (off, then on)."""
+    """dsm_grpo_rank_local.patch + dsm_grpo.patch on a copy of the vendored file, run where grpo_patches is not
+    importable, give the same step as grpo_patches.apply(fast_generation=...) on the kit's own copy (off, then on)."""
     folder = tmp_path / "fork"
     folder.mkdir()
-    shutil.copy(patchgen.KIT / "vendored" / "dsm_grpo.py", folder)
-    subprocess.run(["git", "apply", str(VENDORED.patch_path)], cwd=folder, check=True,
-                   env={**os.environ, "GIT_CEILING_DIRECTORIES": str(tmp_path)})
+    shutil.copy(fork_patches.KIT / "vendored" / "dsm_grpo.py", folder)
+    subprocess.run(["git", "apply", str(fork_patches.bundle_of(VENDORED).patch_path), str(VENDORED.patch_path)], cwd=folder,
+                   check=True, env={**os.environ, "GIT_CEILING_DIRECTORIES": str(tmp_path)})
     python = fork_python(ENDS[-1], tmp_path_factory)  # the newest release's set: the kit's own pins
     fork = run_json([str(python), str(FORK / "dsm_step.py"), str(folder)], cwd=tmp_path,
                     env={"GRPO_PATCHES_KIT_MODE": "fork"})

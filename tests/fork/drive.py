@@ -1,7 +1,8 @@
 """Fork-mode driver: apply a patch to THIS interpreter's TRL; start a worker's ranks where only the
 patched TRL can provide the kit's code.
 
-    python tests/fork/drive.py --patch patches/trl-1.16.0.patch --apply-only     # patch this venv's TRL
+    python tests/fork/drive.py --patch patches/grpo_rank_local.patch --patch patches/trl-1.16.0.patch --apply-only
+                                                    # patch this venv's TRL: the kit's bundle and the release's edits
     python tests/fork/drive.py --module tests.matrix.worker [ARGS]               # 2 ranks, fork environment
     python tests/fork/drive.py --plant scatter-order      # a tests/mutations.toml bug, in the BUNDLED copy
 
@@ -105,7 +106,9 @@ def launch(module: str, world_size: int = 2, deadline: float = 400.0, *, args: t
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--patch", type=Path, help="the fork patch to apply to this interpreter's TRL first")
+    parser.add_argument("--patch", type=Path, action="append", default=[],
+                        help="a fork patch to apply to this interpreter's TRL first (repeatable: the bundle, then "
+                        "the release's edit patch)")
     parser.add_argument("--apply-only", action="store_true", help="apply --patch and stop")
     parser.add_argument("--plant", help="plant these tests/mutations.toml bugs (comma-separated) in the "
                         "bundled copy of this venv's patched TRL, then stop")
@@ -116,8 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--save", type=Path, help="write every rank's data as JSON to this file")
     parser.add_argument("args", nargs="*", help="arguments after OUTDIR for --module")
     args = parser.parse_args(argv)
-    if args.patch is not None:
-        print(apply_patch(args.patch), flush=True)
+    for patch in args.patch:
+        print(apply_patch(patch), flush=True)
     if args.plant:
         print("\n".join(plant(args.plant.split(","))), flush=True)
     if args.apply_only or not args.module:

@@ -94,14 +94,16 @@ def build(release: str, dest: Path) -> Path:
 
 
 def patched(release: str, dest: Path) -> Path:
-    """:func:`build`, then ``patches/trl-<release>.patch`` applied to that venv's TRL; returns its python.
+    """:func:`build`, then ``patches/grpo_rank_local.patch`` (the kit's bundle) and
+    ``patches/trl-<release>.patch`` (the release's edits) applied to that venv's TRL; returns its python.
 
     The matrix in fork mode: ``GRPO_PATCHES_MATRIX_MODE=fork PYTHON -m pytest tests/matrix`` from the
     checkout (its ranks start through tests/fork/drive.py's ``launch``, with this python).
     """
     python = build(release, dest)
-    subprocess.run([str(python), str(ROOT / "tests" / "fork" / "drive.py"), "--patch",
-                    str(ROOT / "patches" / f"trl-{release}.patch"), "--apply-only"], check=True, cwd=dest)
+    subprocess.run([str(python), str(ROOT / "tests" / "fork" / "drive.py"),
+                    "--patch", str(ROOT / "patches" / "grpo_rank_local.patch"),
+                    "--patch", str(ROOT / "patches" / f"trl-{release}.patch"), "--apply-only"], check=True, cwd=dest)
     return python
 
 

@@ -11,7 +11,7 @@ read the I6 facts through :func:`declared_patch_points` / :func:`wrapped_origina
 the upstream half of every check), ``CAN_REVERT = True``.
 
 ``fork`` (``nox -s fork-<release>``, ``tests/test_patches_fork.py``): the installed TRL carries
-``patches/trl-<release>.patch`` and grpo_patches is not importable in the ranks (they run from a
+``patches/grpo_rank_local.patch`` and ``patches/trl-<release>.patch`` and grpo_patches is not importable in the ranks (they run from a
 scratch folder through ``tests/fork/drive.py``'s ``launch``, and :func:`check_rank_environment`
 refuses to go on where it is). ``enable_kit(**options)`` stores ``{"grpo_patches": True, **options}``,
 which :func:`config_fields` hands to every ``GRPOConfig`` built from then on (an option the fork has no

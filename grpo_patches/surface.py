@@ -1,0 +1,66 @@
+"""What the public face declares: the kit's version and :func:`grpo_patches.apply`'s options.
+
+One place for each option's name, default and help text, read by ``apply()``'s docstring and by the
+fork patch writer (:mod:`grpo_patches.fork`), which turns the options as ``GRPOConfig`` fields with
+the same names, defaults and help. Imports nothing: the face and the writer both sit above it.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from dataclasses import dataclass
+
+__all__ = ["OPTIONS", "VERSION", "Option", "args_section"]
+
+VERSION = "0.1.0"
+
+
+@dataclass(frozen=True)
+class Option:
+    """One keyword of ``apply()``: its default, its type as a dataclass field would spell it, its help."""
+
+    name: str
+    default: object
+    annotation: str
+    help: str
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("reward_placement", "local", "str",
+           '``"local"`` (each rank scores its own whole groups) or ``"main"`` (reward models and functions run '
+           "on the main process only)."),
+    Option("reward_chunk_size", None, "int | None",
+           "most completions scored in one call; a multiple of ``num_generations`` (checked when the trainer is "
+           "built). ``None``: one call per rank / per step."),
+    Option("reward_timeout", 600.0, "float",
+           "seconds a step's reward computation may take before every rank raises."),
+    Option("strict", True, "bool",
+           "on a TRL release outside the tested range raise :class:`UnsupportedVersionError`; with ``False``, "
+           "warn and patch nothing."),
+    Option("fast_generation", False, "bool",
+           "compiled decoding under a static KV cache with dropout off while sampling (``True``, a dict of "
+           ":class:`~grpo_patches.generation.FastGenerationConfig` fields, or such a config); on CPU it warns "
+           "once and samples eagerly."),
+    Option("lean_lora", False, "bool",
+           "under bf16 / fp16 autocast, the policy's LoRA layers run their dropout and adapter on the input as "
+           "it is, skipping PEFT's fp32 copy (autocast rounds the adapter's input back anyway, so values are "
+           "unchanged; dropout masks are drawn by another kernel). Saves memory traffic and transient memory in "
+           "every training forward and backward."),
+    Option("compile_training", False, "bool",
+           "the policy's decoder layers run compiled (inductor) whenever autograd is on (the training forward "
+           "and its recomputation), eager otherwise (sampling). Fewer, fused kernels; not bit-identical to eager "
+           "(rounding, dropout masks). One process or DDP."),
+    Option("targets", ("trl", "vendored"), "tuple[str, ...]",
+           'which trainers to patch: ``"trl"`` (``trl.GRPOTrainer``) and/or ``"vendored"`` (the vendored '
+           "DeepSeekMath-style trainer). Both by default, and then only if the installed TRL is patched; "
+           '``("vendored",)`` patches the vendored trainer alone and needs no TRL.'),
+)
+
+
+def args_section(indent: str = "    ") -> str:
+    """The ``Args:`` section of ``apply()``'s docstring, at the docstring's own indentation."""
+    lines = [f"{indent}Args:"]
+    for option in OPTIONS:
+        lines += textwrap.wrap(f"{option.name}: {option.help}", 96, initial_indent=indent * 2,
+                               subsequent_indent=indent * 3)
+    return "\n".join(lines) + "\n"
