@@ -24,6 +24,7 @@ from ..lean_lora import enable_lean_lora
 from ..liveness import watching
 from ..options import PatchOptions, active
 from ..rewards import RewardBatch, Scored, chunk_slices, compute_rewards, reward_column, validate_chunk_size
+from ..watchdog import Progress
 from .trl_generation import enable_fast_generation
 
 STATE_ATTR = "_grpo_patches"
@@ -419,7 +420,7 @@ def trl_layout_rewards(trainer: Any, inputs: list[dict], prompts: list, completi
     columns = {k: [ex[k] for ex in inputs] for k in inputs[0] if k not in UNSCORED_KEYS} if inputs else {}
     batch = RewardBatch(list(prompts), list(completions), list(completion_ids_list), columns)
     local_placement = options.reward_placement == "local"
-    progress: dict[str, str] = {}
+    progress: dict[str, str] = Progress()  # announced: peers can name it if this rank gets stuck
     result = compute_rewards(
         batch,
         # chunks are cut inside score_batch, per function, so that each function's profiling timing
