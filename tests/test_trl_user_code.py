@@ -250,3 +250,18 @@ def test_reward_values_accepted_and_refused_as_stock_does():
             assert patched[case][1] == stock[case][1], (case, stock[case], patched[case])
         else:
             assert "case_reward" in patched[case][1], patched[case]
+
+
+def test_a_trainer_built_before_apply_warns_that_it_trains_unpatched():
+    """Upstream (no kit) trains without a word; after apply(), a trainer built before it says so."""
+    import warnings
+
+    grpo_patches.revert()
+    trainer = build([lambda completions, **kw: [1.0] * len(completions)])
+    with warnings.catch_warnings(record=True) as stock:
+        warnings.simplefilter("always")
+        trainer.train()
+    assert not [w for w in stock if "grpo_patches" in str(w.message)]
+    grpo_patches.apply()
+    with pytest.warns(UserWarning, match=r"GRPOTrainer was built before grpo_patches.apply\(\), so it trains unpatched"):
+        trainer.train()

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import inspect
 import os
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -175,8 +176,14 @@ def sampler_wrapper(shape_of: Callable[[Any], GroupShape], repeats: Callable[[An
 
 
 def train_wrapper(wrapped, instance, args, kwargs):
-    """``train()`` with this rank's liveness monitor on: a peer that vanishes is named (liveness.py)."""
+    """``train()`` with this rank's liveness monitor on: a peer that vanishes is named (liveness.py).
+
+    A trainer built before ``apply()`` trains as stock TRL built it: said, since nothing else shows it."""
     if not hasattr(instance, STATE_ATTR):
+        warnings.warn(
+            f"grpo_patches: this {type(instance).__name__} was built before grpo_patches.apply(), so it trains "
+            f"unpatched (stock TRL: groups may be split across ranks, no reward_timeout, no reward placement). "
+            f"Call grpo_patches.apply() before building the trainer.", UserWarning, stacklevel=3)
         return wrapped(*args, **kwargs)
     with watching():
         return wrapped(*args, **kwargs)
