@@ -121,7 +121,7 @@ def test_an_uninterruptible_call_ends_the_process_instead_of_hanging():
 
 def _run_child(code: str, **env: str) -> tuple[subprocess.CompletedProcess, float]:
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=60,
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=30,
                           env={"PATH": "/usr/bin:/bin", **env,
                                "PYTHONPATH": str(__import__("pathlib").Path(__file__).resolve().parents[1])})
     return proc, time.monotonic() - start
