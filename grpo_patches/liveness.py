@@ -22,12 +22,20 @@ thread needs only the GIL for a moment each interval); a rank whose whole proces
 (SIGSTOP, a debugger) or that holds the GIL in one C call for longer than ``timeout`` looks dead.
 Rank 0 usually hosts the store (``torchrun`` hosts it in its launcher): when the store stops
 answering for ``timeout`` s, that host is named.
+
+A rank's main thread also writes down, before its reward step and each reward function starts,
+what it runs and under which ``reward_timeout`` (the watchdog's announcer). A peer reads that
+record when the rank's counter stops moving, while the rank (and a store it hosts) still answers:
+so when code that holds the GIL is ended by the watchdog's hard stop (no Python runs there to
+say why), its peers name the rank, the reward function and the timeout. Such a rank is given its
+``reward_timeout`` plus the hard stop's grace before it counts as gone.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import json
 import os
 import sys
 import threading
@@ -37,6 +45,7 @@ from collections.abc import Iterator
 
 import torch.distributed as dist
 
+from . import watchdog
 from .collectives import CollectiveTimeoutError, RemoteFailureError
 
 __all__ = ["EXIT_CODE", "PEER_TIMEOUT_ENV", "RankLostError", "peer_timeout", "watching"]
@@ -98,6 +107,7 @@ class _Monitor:
         self.armed = self.judging = False
         self.lock = threading.Lock()
         self.seen: dict[int, tuple[int, int, float]] = {}  # peer -> (phase, beats, when they last moved)
+        self.doing: dict[int, tuple[int, str, float]] = {}  # peer -> (beats when read, what it ran, its timeout)
         self.store_lost_since: float | None = None
         self.store_error = ""
         self._thread_store = self._main_store = None
@@ -120,6 +130,7 @@ class _Monitor:
         try:
             if self._main_store is None:
                 self._main_store = self._connect()
+            self._main_store.set(f"doing/{self.rank}", "")
             self._main_store.add(f"beat/{self.rank}", 1)
             self._main_store.add(f"phase/{self.rank}", 1)  # odd: inside train()
         except Exception:
@@ -127,12 +138,20 @@ class _Monitor:
             raise
         with self.lock:
             self.seen.clear()
+            self.doing.clear()
             self.store_lost_since = None
             self.armed, self.judging = True, False
+        watchdog.set_announcer(self.announce)
+
+    def announce(self, what: str, timeout: float) -> None:
+        """The watchdog's announcer: what this rank's main thread is about to run (``""``: nothing)."""
+        with contextlib.suppress(Exception):  # the store's host is gone: the peers will say so
+            self._main_store.set(f"doing/{self.rank}", json.dumps([what, timeout]) if what else "")
 
     def disarm(self, failure: str | None) -> None:
         with self.lock:
             self.armed = False
+        watchdog.set_announcer(None)
         try:
             if failure is not None:
                 phase = self._main_store.add(f"phase/{self.rank}", 0)
@@ -163,6 +182,7 @@ class _Monitor:
             store.add(f"beat/{self.rank}", 1)
             readings = [(p, store.add(f"phase/{p}", 0), store.add(f"beat/{p}", 0))
                         for p in range(self.world_size) if p != self.rank]
+            records = {p: self._read_doing(store, p) for p, phase, beats in readings if self._stalled(p, phase, beats)}
         except Exception as exc:  # noqa: BLE001 - a store that does not answer is itself the signal
             self._thread_store = None  # a fresh connection next time (a failed one may be out of step)
             with self.lock:
@@ -177,20 +197,69 @@ class _Monitor:
                 before = self.seen.get(peer)
                 if before is None or before[:2] != (phase, beats):
                     self.seen[peer] = (phase, beats, now)
+            for peer, record in records.items():
+                self.doing[peer] = (self.seen[peer][1], *record)
+
+    def _stalled(self, peer: int, phase: int, beats: int) -> bool:
+        """A peer whose counter has not moved since the last reading, and whose record is not read yet."""
+        with self.lock:
+            before, read = self.seen.get(peer), self.doing.get(peer)
+        return before is not None and before[:2] == (phase, beats) and (read is None or read[0] != beats)
+
+    @staticmethod
+    def _read_doing(store, peer: int) -> tuple[str, float]:
+        key = f"doing/{peer}"
+        raw = store.get(key).decode(errors="replace") if store.check([key]) else ""
+        if not raw:
+            return "", 0.0
+        what, timeout = json.loads(raw)
+        return str(what), float(timeout)
+
+    def _in_reward_step(self, peer: int, beats: int) -> tuple[str, float] | None:
+        """What ``peer`` wrote down before its counter stopped at ``beats`` (under the lock)."""
+        read = self.doing.get(peer)
+        if read is None or read[0] != beats or not read[1]:
+            return None
+        return read[1], read[2]
+
+    def _cause(self, peer: int, stalled: float, record: tuple[str, float]) -> str:
+        what, timeout = record
+        if stalled >= timeout:
+            return (f"rank {peer} timed out in its reward step: {what} did not finish within reward_timeout={timeout:g} s "
+                    f"and rank {peer} stopped answering: it holds the GIL in code that nothing can interrupt, so the "
+                    f"kit's hard stop ends that rank {watchdog.HARD_STOP_GRACE:g} s after its deadline (its stack is in "
+                    f"that rank's log)")
+        return (f"rank {peer} vanished during its reward step, in {what}, {stalled:.0f} s into its reward_timeout="
+                f"{timeout:g} s (a process killed by SIGKILL, e.g. by the out-of-memory killer, leaves no message: "
+                f"see that rank's log, `dmesg` or the job scheduler)")
 
     def verdict(self, silence: float) -> tuple[int, str] | None:
-        """A peer inside train() whose counter has not moved for ``silence`` s, or a lost store."""
+        """A peer inside train() whose counter has not moved for ``silence`` s, or a lost store.
+
+        A peer in its reward step gets its ``reward_timeout`` plus the hard stop's grace, when
+        ``silence`` is the monitor's own bound (no connection error has said that it is gone)."""
         now = time.monotonic()
         if self.store_lost_since is not None:  # no readings of anyone: only the store's host can be named
             if now - self.store_lost_since < silence:
                 return None
             host, port = self.address
-            who = ("the launcher hosting it on the first node (torchrun)"
-                   if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else "rank 0, which hosts it,")
-            return 0, (f"the job's rendezvous store at {host}:{port} has not answered for "
-                       f"{now - self.store_lost_since:.0f} s ({self.store_error}): {who} has vanished")
-        for peer, (phase, _, moved) in sorted(self.seen.items()):
-            if phase % 2 == 1 and now - moved >= silence:
+            agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            who = "the launcher hosting it on the first node (torchrun)" if agent else "rank 0, which hosts it,"
+            lost = (f"the job's rendezvous store at {host}:{port} has not answered for "
+                    f"{now - self.store_lost_since:.0f} s ({self.store_error})")
+            phase, beats, moved = self.seen.get(0, (0, -1, now))
+            record = None if agent or self.rank == 0 else self._in_reward_step(0, beats)
+            if record is not None:
+                return 0, f"{self._cause(0, now - moved, record)}; {lost}: rank 0 hosted it"
+            return 0, f"{lost}: {who} has vanished"
+        for peer, (phase, beats, moved) in sorted(self.seen.items()):
+            record = self._in_reward_step(peer, beats)
+            limit = silence
+            if record is not None and silence >= self.timeout:
+                limit = max(silence, record[1] + watchdog.HARD_STOP_GRACE + 3 * self.interval)
+            if phase % 2 == 1 and now - moved >= limit:
+                if record is not None:
+                    return peer, self._cause(peer, now - moved, record)
                 return peer, (f"rank {peer} vanished: no heartbeat for {now - moved:.0f} s while in trainer.train() "
                               f"(a process killed by SIGKILL, e.g. by the out-of-memory killer, leaves no message: "
                               f"see that rank's log, `dmesg` or the job scheduler)")

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import pickle
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -115,38 +115,50 @@ def validate_chunk_size(chunk_size: int | None, num_generations: int, *, name: s
         )
 
 
-def reward_column(values: Sequence[Any], expected: int, func_name: str) -> list[float]:
+def reward_column(values: Iterable[Any], expected: int, func_name: str) -> list[float]:
     """Check one reward function's output: one value per completion, ``None`` or a finite number.
 
-    ``None`` means "no reward for this completion" (TRL's convention, turned into NaN and left out
-    of the group statistics). A NaN or infinite number is a bug in the reward function: stock TRL
-    lets it poison the group's mean and std silently; here it is an error naming the function and
-    the position.
+    Accepted as stock TRL accepts it: any iterable, ``None`` entries turned into NaN (no reward for
+    that completion, left out of the group statistics), the rest converted as
+    ``torch.tensor(column, dtype=torch.float32)`` converts them (Python and NumPy numbers, bools,
+    0-d tensors; never strings). One check more than stock: a NaN or infinite number is a bug in the
+    reward function, which stock lets poison the group's mean and std silently; here it is an
+    error naming the function and the position.
     """
     try:
-        n = len(values)
+        column = [v if v is not None else math.nan for v in values]
     except TypeError:
         raise TypeError(
             f"reward function '{func_name}' returned {type(values).__name__}, expected a list of {expected} "
             f"floats (one per completion)"
         ) from None
-    if n != expected:
+    if len(column) != expected:
         raise ValueError(
-            f"reward function '{func_name}' returned {n} rewards for {expected} completions; it must return "
+            f"reward function '{func_name}' returned {len(column)} rewards for {expected} completions; it must return "
             f"exactly one reward (or None) per completion"
         )
-    out: list[float] = []
-    for i, v in enumerate(values):
-        if v is None:
-            out.append(math.nan)
+    try:
+        numbers = torch.tensor(column, dtype=torch.float32)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        kinds = sorted({type(v).__name__ for v in column})
+        raise TypeError(
+            f"reward function '{func_name}' returned values of type {', '.join(kinds)} that are not numbers ({exc}); "
+            f"return floats (or None), as stock TRL requires"
+        ) from None
+    if numbers.shape != (expected,):
+        raise ValueError(
+            f"reward function '{func_name}' returned rewards of shape {tuple(numbers.shape)} for {expected} "
+            f"completions; it must return one number (or None) per completion"
+        )
+    out = numbers.tolist()
+    for i, (x, given) in enumerate(zip(out, column, strict=True)):
+        if given is math.nan:  # None: no reward
             continue
-        x = float(v)
         if not math.isfinite(x):
             raise ValueError(
                 f"reward function '{func_name}' returned {x} for completion {i}; rewards must be finite "
                 f"(return None to give a completion no reward)"
             )
-        out.append(x)
     return out
 
 

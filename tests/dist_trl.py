@@ -5,7 +5,9 @@ Each rank writes ``OUTDIR/rank<r>.json``; the pytest side (test_trl_*.py) assert
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import sys
 import time
 import traceback
@@ -29,6 +31,7 @@ import torch  # noqa: E402
 import grpo_patches  # noqa: E402
 
 RANK = int(os.environ.get("RANK", "0"))
+OUTDIR = {"dir": ""}
 CALLS: list[dict] = []
 EPOCH = {"e": -1}  # advanced by EpochMark at the start of every training epoch
 
@@ -128,22 +131,48 @@ def scenario_main(data):
     data["model_forwards"] = len(forwards)  # the user's reward model object, run by training on this rank
 
 
-def scenario_fault(data):
-    kind, bad_rank, placement = data["argv"][0], int(data["argv"][1]), data["argv"][2]
+def scenario_faults(data):
+    """Faults one after another in one world (``kinds``: comma-separated), each on ``bad_rank``: a reward
+    function that raises, one that sleeps past reward_timeout, one stuck in a regular expression that
+    backtracks catastrophically (it holds the GIL in C: it ends its rank, so it comes last)."""
+    kinds, bad_rank, placement = data["argv"][0].split(","), int(data["argv"][1]), data["argv"][2]
+    data["faults"] = {}
+    save = lambda: end_rank_data(data)  # noqa: E731 - what a rank ended by the hard stop leaves behind
 
-    def flaky_reward(completions, **kwargs):
-        if bad_rank == RANK:
-            if kind == "raise":
-                raise ZeroDivisionError("injected in flaky_reward")
-            if kind == "sleep":
-                time.sleep(3600)
-        return [1.0] * len(completions)
+    for kind in kinds:
+        def flaky_reward(completions, kind=kind, **kwargs):
+            if bad_rank == RANK:
+                if kind == "raise":
+                    raise ZeroDivisionError("injected in flaky_reward")
+                if kind == "sleep":
+                    time.sleep(3600)
+                if kind == "regex":
+                    re.match(r"(a+)+$", "a" * 40 + "b")
+            return [1.0] * len(completions)
 
-    grpo_patches.apply(reward_placement=placement, reward_timeout=5.0)
-    trainer = build(grpo_args(per_device_train_batch_size=4, num_generations=4, max_steps=1),
-                    reward_funcs=[flaky_reward])
-    data["t0"] = time.time()
-    trainer.train()
+        grpo_patches.apply(reward_placement=placement, reward_timeout=5.0)
+        trainer = build(grpo_args(per_device_train_batch_size=4, num_generations=4, max_steps=1),
+                        reward_funcs=[flaky_reward])
+        got = data["faults"][kind] = {"t0": time.time()}
+        save()
+        try:
+            trainer.train()
+            got["error"] = None
+        except Exception as exc:
+            got["error"] = f"{type(exc).__name__}: {exc}"
+            if kind == "regex":  # the peer is gone: no exit barrier
+                got["seconds"] = time.time() - got["t0"]
+                raise
+        got["seconds"] = time.time() - got["t0"]
+        save()
+
+
+def end_rank_data(data):
+    """This rank's JSON so far (end_rank writes the final one)."""
+    path = os.path.join(OUTDIR["dir"], f"rank{RANK}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(data, f)
+    os.replace(path + ".tmp", path)
 
 
 def scenario_compiled(data):
@@ -166,6 +195,7 @@ def scenario_compiled(data):
 
 def main() -> None:
     outdir, scenario, *argv = sys.argv[1:]
+    OUTDIR["dir"] = outdir
     data: dict = {"rank": RANK, "argv": argv}
     code = 0
     try:

@@ -279,3 +279,10 @@ print("vendored ok")
     root = Path(__file__).resolve().parents[1]
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=root)
     assert out.returncode == 0 and "vendored ok" in out.stdout, out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("reward_funcs", [[], None, ()])
+def test_no_reward_function_is_refused_at_construction(reward_funcs):
+    """Without one, every reward, advantage and loss would be 0: a run that learns nothing, silently."""
+    with pytest.raises(ValueError, match=r"at least one reward function"):
+        DSMGRPOTrainer(tiny_policy(), tiny_tokenizer(), reward_funcs, DSMGRPOConfig(num_generations=2))

@@ -26,7 +26,8 @@ import pytest
 
 from grpo_patches import fork as fork_patches
 from tests.fork import env as fork_env
-from tests.launch import describe, run_ranks
+from tests.launch import describe
+from tests.matrix.test_invariants import launched
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -61,7 +62,7 @@ def run_json(cmd, cwd, env=None) -> dict:
 @pytest.fixture(scope="module")
 def monkeypatch_matrix() -> list[dict]:
     """tests/matrix's scenario through grpo_patches.apply() / revert() in this (kit) environment."""
-    results = run_ranks("tests.matrix.worker", world_size=2, deadline=400, extra_ports=6)
+    results = launched(2)  # the same launch tests/matrix/test_invariants.py reads, if it ran first
     assert all(r.returncode == 0 for r in results), describe(results)
     return [r.data for r in results]
 

@@ -207,3 +207,61 @@ def test_bad_options_are_refused_at_apply():
     with pytest.raises(TypeError, match="strict='yes' must be True"):
         grpo_patches.apply(strict="yes")
     assert not grpo_patches.is_applied()
+
+
+def test_reward_values_accepted_and_refused_as_stock_does():
+    """Stock TRL builds each function's column with ``torch.tensor(values, dtype=float32)`` (None -> NaN):
+    what that refuses (strings, nested lists) the kit refuses; what it accepts the kit accepts, equal."""
+    import numpy as np
+    import torch
+
+    cases = {
+        "floats": [0.5, 0.25, 1.0, 0.0], "ints": [1, 0, 2, 3], "bools": [True, False, True, True],
+        "with None": [0.5, None, 1.0, None], "numpy scalars": [np.float32(0.5), np.int64(2), np.float64(1), 0.0],
+        "numpy array": np.array([0.5, 0.25, 1.0, 0.0]), "tensor": torch.tensor([0.5, 0.25, 1.0, 0.0]),
+        "0-d tensors": [torch.tensor(0.5)] * 4, "generator": [0.5, 0.25, 1.0, 0.0],  # handed out as a generator
+        "strings": ["0.5", "0.25", "1.0", "0.0"], "one string": [0.5, "1", 1.0, 0.0], "nested": [[0.5]] * 4,
+        "bytes": [b"1"] * 4,
+    }
+    inputs = [{"prompt": "say a", "row": 0, "target": "a"}] * 4
+    current = {}
+
+    def case_reward(completions, **kwargs):
+        values = cases[current["case"]]
+        return (x for x in values) if current["case"] == "generator" else values
+
+    def outcome(trainer, case):
+        current["case"] = case
+        try:
+            rewards = trainer._calculate_rewards(inputs, ["say a"] * 4, ["a b"] * 4, [[0]] * 4)
+        except Exception as exc:  # noqa: BLE001 - what each refuses is the point
+            return "refused", f"{type(exc).__name__}: {exc}"
+        return "accepted", [None if x != x else x for x in rewards[:, 0].tolist()]
+
+    def run():
+        trainer = build([case_reward])
+        return {case: outcome(trainer, case) for case in cases}
+
+    stock, patched = both(run)
+    assert stock["strings"][0] == "refused" and stock["floats"][0] == "accepted", stock  # upstream first
+    for case in cases:
+        assert patched[case][0] == stock[case][0], (case, stock[case], patched[case])
+        if stock[case][0] == "accepted":
+            assert patched[case][1] == stock[case][1], (case, stock[case], patched[case])
+        else:
+            assert "case_reward" in patched[case][1], patched[case]
+
+
+def test_a_trainer_built_before_apply_warns_that_it_trains_unpatched():
+    """Upstream (no kit) trains without a word; after apply(), a trainer built before it says so."""
+    import warnings
+
+    grpo_patches.revert()
+    trainer = build([lambda completions, **kw: [1.0] * len(completions)])
+    with warnings.catch_warnings(record=True) as stock:
+        warnings.simplefilter("always")
+        trainer.train()
+    assert not [w for w in stock if "grpo_patches" in str(w.message)]
+    grpo_patches.apply()
+    with pytest.warns(UserWarning, match=r"GRPOTrainer was built before grpo_patches.apply\(\), so it trains unpatched"):
+        trainer.train()

@@ -17,7 +17,8 @@ import time
 
 import pytest
 
-from grpo_patches.watchdog import call_with_timeout
+from grpo_patches import watchdog
+from grpo_patches.watchdog import Progress, call_with_timeout
 
 
 def test_runs_on_the_calling_thread():
@@ -116,3 +117,67 @@ def test_an_uninterruptible_call_ends_the_process_instead_of_hanging():
     assert "stuck reward did not finish within reward_timeout=1 s" in proc.stderr
     assert "Timeout" in proc.stderr and "time.sleep" not in proc.stdout  # faulthandler's dump
     assert time.monotonic() - start < 30
+
+
+def _run_child(code: str, **env: str) -> tuple[subprocess.CompletedProcess, float]:
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=30,
+                          env={"PATH": "/usr/bin:/bin", **env,
+                               "PYTHONPATH": str(__import__("pathlib").Path(__file__).resolve().parents[1])})
+    return proc, time.monotonic() - start
+
+
+def test_code_that_holds_the_gil_is_ended_by_the_hard_stop_armed_before_it_started():
+    """A catastrophically backtracking regular expression holds the GIL inside C: no Python thread runs
+    (the watchdog thread included) until it returns, in centuries. Only a stop armed before it began, in C,
+    can end it; its stack names the reward function and, in a frame named after the call, the rank."""
+    proc, seconds = _run_child("""
+        import re, time
+        from grpo_patches import watchdog
+        watchdog.HARD_STOP_GRACE = 1.0
+        # a call that ended long ago leaves no hard stop behind
+        watchdog.call_with_timeout(lambda: "fast", 0.2, what="an earlier step")
+        time.sleep(2.0)
+        print("alive after the earlier step's hard stop would have come", flush=True)
+        def regex_reward():
+            return re.match(r"(a+)+$", "a" * 40 + "b")
+        watchdog.call_with_timeout(regex_reward, 1.0, what="reward computation on rank 1")
+        print("returned", flush=True)
+    """)
+    assert proc.returncode == 1, (proc.returncode, proc.stdout, proc.stderr)
+    assert "alive after" in proc.stdout and "returned" not in proc.stdout, proc.stdout
+    assert "Timeout (0:00:0" in proc.stderr, proc.stderr  # faulthandler's dump, from C
+    assert "in regex_reward" in proc.stderr and "reward computation on rank 1 [reward_timeout=1 s" in proc.stderr
+    assert seconds < 2.0 + 2.0 + 15.0, seconds  # start-up + the earlier step's wait + the bound (2 s), loaded host
+
+
+def test_the_interrupt_never_escapes_even_when_the_deadline_comes_at_once():
+    """With a tiny timeout the interrupt can land anywhere around the timer's start: always TimeoutError."""
+    seen: dict[str, int] = {}
+    for i in range(2000):  # the timer thread gets the GIL mostly while the caller waits in the timer's start
+        try:
+            call_with_timeout(lambda: sum(range(30000)), (1e-9, 1e-6, 1e-5)[i % 3], what="t")
+            seen["returned"] = seen.get("returned", 0) + 1
+        except TimeoutError:
+            seen["timeout"] = seen.get("timeout", 0) + 1
+    assert set(seen) <= {"returned", "timeout"}, seen
+    assert call_with_timeout(lambda: time.sleep(0.05) or "ok", 5.0, what="t") == "ok"
+
+
+def test_the_announcer_hears_what_runs_before_it_runs_and_when_it_is_over():
+    heard: list[tuple[str, float]] = []
+    previous = watchdog.set_announcer(lambda what, timeout: heard.append((what, timeout)))
+    try:
+        progress = Progress()
+
+        def step():
+            progress["now"] = "reward function 'a'"
+            progress["now"] = "reward function 'b'"
+            return len(heard)
+
+        assert call_with_timeout(step, 30, what="reward computation on rank 0") == 3
+        progress["now"] = "outside any watched call"  # not announced
+    finally:
+        watchdog.set_announcer(previous)
+    assert heard == [("reward computation on rank 0", 30), ("reward function 'a'", 30),
+                     ("reward function 'b'", 30), ("", 30)]

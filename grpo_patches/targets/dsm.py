@@ -32,6 +32,7 @@ from .. import options as _options
 from ..generation import FAST_GEN_ATTR, FastGenerationState, fast_generate
 from ..grouping import GroupShapeError, RankLocalGroupSampler, check_group_shape, nearest_valid_settings
 from ..rewards import RewardBatch, Scored, compute_rewards, reward_column, validate_chunk_size
+from ..watchdog import Progress
 from . import Adapter
 from .common import STATE_ATTR, TrainerPatchState, accepts, attach, main_only_reward_funcs
 
@@ -133,7 +134,7 @@ def wrap_compute_rewards(wrapped, instance, args, kwargs):
     bound = inspect.signature(wrapped).bind(*args, **kwargs)
     responses, prompts = bound.arguments["responses"], bound.arguments["prompts"]
     columns = {k: list(v) for k, v in bound.arguments.get("columns", {}).items()}
-    opts, progress = state.options, {}
+    opts, progress = state.options, Progress()  # announced: peers can name it if this rank gets stuck
     result = compute_rewards(
         RewardBatch(list(prompts), list(responses), [None] * len(responses), columns),
         lambda b, ids: _score(instance, b, ids, progress),

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import inspect
 import os
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +22,7 @@ from ..grouping import RankLocalGroupSampler, check_group_shape, epoch_of_state
 from ..liveness import watching
 from ..options import PatchOptions, active
 from ..rewards import RewardBatch, Scored, chunk_slices, compute_rewards, reward_column, validate_chunk_size
+from ..watchdog import Progress
 from .common import STATE_ATTR, TrainerPatchState, accepts, attach, main_only_reward_funcs
 from .trl_generation import enable_fast_generation
 
@@ -157,8 +159,14 @@ def sampler_wrapper(shape_of: Callable[[Any], GroupShape], repeats: Callable[[An
 
 
 def train_wrapper(wrapped, instance, args, kwargs):
-    """``train()`` with this rank's liveness monitor on: a peer that vanishes is named (liveness.py)."""
+    """``train()`` with this rank's liveness monitor on: a peer that vanishes is named (liveness.py).
+
+    A trainer built before ``apply()`` trains as stock TRL built it: said, since nothing else shows it."""
     if not hasattr(instance, STATE_ATTR):
+        warnings.warn(
+            f"grpo_patches: this {type(instance).__name__} was built before grpo_patches.apply(), so it trains "
+            f"unpatched (stock TRL: groups may be split across ranks, no reward_timeout, no reward placement). "
+            f"Call grpo_patches.apply() before building the trainer.", UserWarning, stacklevel=3)
         return wrapped(*args, **kwargs)
     with watching():
         return wrapped(*args, **kwargs)
@@ -358,7 +366,7 @@ def trl_layout_rewards(trainer: Any, inputs: list[dict], prompts: list, completi
     columns = {k: [ex[k] for ex in inputs] for k in inputs[0] if k not in UNSCORED_KEYS} if inputs else {}
     batch = RewardBatch(list(prompts), list(completions), list(completion_ids_list), columns)
     local_placement = options.reward_placement == "local"
-    progress: dict[str, str] = {}
+    progress: dict[str, str] = Progress()  # announced: peers can name it if this rank gets stuck
     result = compute_rewards(
         batch,
         # chunks are cut inside score_batch, per function, so that each function's profiling timing

@@ -129,6 +129,10 @@ class DSMGRPOTrainer:
         self.tokenizer = tokenizer
         self.config = config = config or DSMGRPOConfig()
         funcs = list(reward_funcs) if isinstance(reward_funcs, list | tuple) else [reward_funcs]
+        if not funcs or any(f is None for f in funcs):
+            # with none, every reward, advantage and loss is 0: a run that learns nothing, silently
+            raise ValueError(f"DSMGRPOTrainer: reward_funcs={reward_funcs!r}; give at least one reward function "
+                             f"or reward model (a list of them is summed).")
         self.reward_funcs = funcs
         self.reward_func_names = self.reward_names(funcs)
         self.reward_tokenizers = list(reward_tokenizers or [tokenizer] * len(funcs))

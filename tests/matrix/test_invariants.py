@@ -60,14 +60,26 @@ def test_release_without_adapter_is_refused_or_left_alone():
     kit.refusal_check(TRL)
 
 
+_LAUNCHED: dict[int, list] = {}
+
+
+def launched(world_size: int) -> list:
+    """The records of one launch of tests/matrix/worker.py per world size and test process: the main suite's
+    tests/test_patches_fork.py compares the fork's run with these same records instead of launching again."""
+    if world_size not in _LAUNCHED:
+        if kit.FORK:  # from a scratch folder, PYTHONPATH cleared: only the patched TRL provides the kit's code
+            from tests.fork import drive
+
+            _LAUNCHED[world_size] = drive.launch("tests.matrix.worker", world_size, deadline=400, extra_ports=6)
+        else:
+            _LAUNCHED[world_size] = run_ranks("tests.matrix.worker", world_size=world_size, deadline=400,
+                                              extra_ports=6)
+    return _LAUNCHED[world_size]
+
+
 @pytest.fixture(scope="module", params=SIZES, ids=lambda n: f"world{n}")
 def ranks(request):
-    if kit.FORK:  # from a scratch folder, PYTHONPATH cleared: only the patched TRL provides the kit's code
-        from tests.fork import drive
-
-        results = drive.launch("tests.matrix.worker", request.param, deadline=400, extra_ports=6)
-    else:
-        results = run_ranks("tests.matrix.worker", world_size=request.param, deadline=400, extra_ports=6)
+    results = launched(request.param)
     if os.environ.get("GRPO_PATCHES_MATRIX_SAVE"):
         with open(os.environ["GRPO_PATCHES_MATRIX_SAVE"], "w") as f:
             json.dump([r.data for r in results], f)
