@@ -33,13 +33,11 @@ import grpo_patches  # noqa: E402
 RANK = int(os.environ.get("RANK", "0"))
 OUTDIR = {"dir": ""}
 CALLS: list[dict] = []
-EPOCH = {"e": -1}  # advanced by EpochMark at the start of every training epoch
 
 
 def recording_reward(completions, row, group_ids=None, num_generations=None, **kwargs):
     """Records what each call holds (its rank, rows, group ids) and scores by the target letter."""
-    CALLS.append({"rank": RANK, "rows": list(row), "group_ids": group_ids, "num_generations": num_generations,
-                  "epoch": EPOCH["e"]})
+    CALLS.append({"rank": RANK, "rows": list(row), "group_ids": group_ids, "num_generations": num_generations})
     return target_share(completions, target=kwargs.get("target"))
 
 
