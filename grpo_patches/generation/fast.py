@@ -15,7 +15,14 @@ import torch
 from torch import nn
 
 from .cache import StaticCachePool
-from .config import FastGenerationConfig, cache_length, compile_config, compile_decision, warn_once
+from .config import (
+    FastGenerationConfig,
+    cache_length,
+    compile_config,
+    compile_decision,
+    split_devices,
+    warn_once,
+)
 from .decode import GRAPH_STATS, GraphDecodeStats, call_generate
 from .merged import MergedLoRAWeights
 from .modes import hidden_require_grad_hooks, left_pad, sampling_mode
@@ -115,7 +122,7 @@ def fast_generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: tor
     config = config or FastGenerationConfig()
     base = generation_config if generation_config is not None else model.generation_config
     device = next(model.parameters()).device
-    compiled, reason = compile_decision(device, config)
+    compiled, reason = compile_decision(device, config, split=split_devices(model))
     if not compiled:
         warn_once(f"eager:{reason}", f"grpo_patches fast_generation: decoding runs eagerly ({reason}).")
     if config.pad_prompts:

@@ -22,6 +22,7 @@ from ..generation import (
     SampledLogprobs,
     build_generation_config,
     compile_decision,
+    split_devices,
 )
 from ..generation.config import round_up, warn_once
 from ..generation.decode import call_generate
@@ -74,7 +75,8 @@ def wrap_generate(wrapped, instance, args, kwargs):
     model = instance.accelerator.unwrap_model(instance.model_wrapped)
     device = instance.accelerator.device
     if state.compiled is None:
-        state.compiled, state.reason = compile_decision(device, config, sharded=_sharding(instance))
+        state.compiled, state.reason = compile_decision(device, config, sharded=_sharding(instance),
+                                                        split=split_devices(model))
     if not state.compiled:
         warn_once(
             f"eager:{state.reason}",
