@@ -72,6 +72,8 @@ def _add_doctor(sub: Any) -> None:
     p.add_argument("--plan", action="store_true",
                    help="try every sharding x base precision x offload x checkpointing x reward placement, print those "
                    "that fit, cheapest first; exit 1 when none fits")
+    p.add_argument("--json", action="store_true",
+                   help="with --plan: print the plan as JSON (each layout's launch, cost and memory per GPU)")
     for name, default, what in (("link-gbps", 10.0, "GPU interconnect GB/s per GPU"),
                                 ("host-gbps", 10.0, "host->GPU GB/s per GPU"),
                                 ("hbm-gbps", 900.0, "GPU memory GB/s"), ("tflops", 70.0, "GPU bf16 TFLOPS")):
@@ -100,7 +102,7 @@ def _doctor(args: argparse.Namespace) -> int:
                       fast_generation=args.fast_generation, lean_lora=args.lean_lora,
                       deepspeed_config=args.deepspeed_config,
                       cost_model=CostModel(args.link_gbps, args.host_gbps, args.hbm_gbps, args.tflops))
-        print(result)
+        print(json.dumps(result.as_dict(), indent=1) if args.json else result)
         return 0 if result.best is not None else 1
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the report prints its warnings itself
