@@ -178,7 +178,8 @@ def make_copy(entry: dict | None) -> Path:
 def env_for(copy: Path) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(copy) + os.pathsep + env.get("PYTHONPATH", "")
-    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    # cached bytecode: each guard run's processes import TRL, which a fresh uv venv (nox) would compile anew
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     return env
 
 
