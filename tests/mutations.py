@@ -92,7 +92,7 @@ def _newest_release() -> tuple[str, dict]:
 
 def _test_modules(path: Path, root: Path) -> set[str]:
     """The modules of tests/ that a test file uses: its ``tests.*`` imports and the ``"tests.X"`` worker
-    modules it names (``run_ranks("tests.dist_trl", ...)``), followed transitively."""
+    modules it names (``run_ranks("tests.workers.dist_trl", ...)``), followed transitively."""
     seen: set[str] = set()
     todo = [path]
     while todo:

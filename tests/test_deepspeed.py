@@ -18,7 +18,7 @@ pytestmark = [
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_local_placement_trains_with_whole_groups_per_rank(stage):
-    results = run_ranks("tests.ds_worker", str(stage), "local", world_size=2, deadline=420)
+    results = run_ranks("tests.workers.ds_worker", str(stage), "local", world_size=2, deadline=420)
     assert all(r.returncode == 0 for r in results), describe(results)
     seen = []
     for r in results:
@@ -32,7 +32,7 @@ def test_local_placement_trains_with_whole_groups_per_rank(stage):
 
 
 def test_main_placement_with_rule_based_rewards_scores_on_rank_0_only():
-    results = run_ranks("tests.ds_worker", "3", "main", world_size=2, deadline=420)
+    results = run_ranks("tests.workers.ds_worker", "3", "main", world_size=2, deadline=420)
     assert all(r.returncode == 0 for r in results), describe(results)
     rank0, rank1 = (r.data for r in results)
     assert rank1["calls"] == [] and rank0["calls"]
@@ -41,7 +41,7 @@ def test_main_placement_with_rule_based_rewards_scores_on_rank_0_only():
 
 
 def test_main_placement_with_a_reward_model_is_refused_on_every_rank_without_a_hang():
-    results = run_ranks("tests.ds_worker", "3", "main", "model", world_size=2, deadline=300)
+    results = run_ranks("tests.workers.ds_worker", "3", "main", "model", world_size=2, deadline=300)
     assert not any(r.hung for r in results), describe(results)
     for r in results:
         assert r.returncode == 3, describe(results)
