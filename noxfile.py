@@ -13,7 +13,8 @@
     nox -t fork-edits-5                 # every release of one such group (`grpo-patches edit-groups` lists them)
 
 Each session builds a fresh uv venv (hard links from uv's cache: about 2 s per release once the cache
-is warm), installs CPU torch first (uncapped; torch is never part of the pinned set), then TRL and
+is warm) that sees one shared CPU torch (``.nox/.torch``, built on first use, through a ``.pth``; uncapped:
+torch is never part of the pinned set), then installs TRL and
 its pinned transformers / accelerate / peft / datasets with every other dependency capped at the
 day after that TRL release (``uv pip install --exclude-newer``: the same era-true resolve the table
 was made with), then this repo (editable, no deps) and the test tools.
