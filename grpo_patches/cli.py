@@ -53,7 +53,7 @@ def _add_doctor(sub: Any) -> None:
     p.add_argument("--reward-dtype", default="bfloat16", help="reward models' dtype (default bfloat16)")
     p.add_argument("--reward-placement", choices=("local", "main"), default="local",
                    help="reward models on every rank (local) or on rank 0 only (main)")
-    p.add_argument("--dataset-size", type=int, help="number of training prompts (S9 warns under 1000)")
+    p.add_argument("--dataset-size", type=int, help="number of training prompts (under 1000 gets a warning: GRPO learns little from so few)")
     p.add_argument("--prompt-length", type=int, help="prompt tokens (default: max_prompt_length or 256)")
     p.add_argument("--dtype", help="dtype of the frozen policy weights (default: bf16 when bf16 is on)")
     p.add_argument("--logits-mode", choices=("auto", "fused", "full"), default="auto",

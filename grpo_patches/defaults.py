@@ -1,11 +1,11 @@
-"""Pinned LoRA and memory defaults: the article's settings (S4, S6) as real config objects.
+"""Pinned LoRA and memory defaults as real config objects.
 
 Why real objects: a dict of settings silently keeps a misspelt key or a field that the installed TRL
 release renamed; a ``peft.LoraConfig`` / ``trl.GRPOConfig`` built here is checked by the library
 itself, and the mapping below is decided by looking at ``dataclasses.fields(trl.GRPOConfig)`` at call
 time (no version checks), so one code path serves every release.
 
-What the article asks for and where it lands (S6):
+The pinned training settings (in their common names) and where each lands:
 
 =====================  ===========================================================================
 article                here
@@ -56,7 +56,7 @@ __all__ = [
 
 LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
-#: S4: "r=16, not 32, not 8"; alpha = 2r; every attention and MLP projection.
+#: LoRA: r=16 (not 32, not 8); alpha = 2r; every attention and MLP projection.
 ARTICLE_LORA_SETTINGS: dict[str, Any] = {
     "r": 16,
     "lora_alpha": 32,
@@ -67,7 +67,7 @@ ARTICLE_LORA_SETTINGS: dict[str, Any] = {
     "inference_mode": False,
 }
 
-#: S6, in the article's own names; see the module docstring for how each maps onto GRPOConfig.
+#: The pinned training settings, in their common names; see the module docstring for how each maps onto GRPOConfig.
 ARTICLE_TRAINING_SETTINGS: dict[str, Any] = {
     "per_device_train_batch_size": 1,
     "gradient_accumulation_steps": 4,
@@ -100,7 +100,7 @@ class DefaultsWarning(UserWarning):
 
 
 def lora_config(**overrides: Any) -> Any:
-    """The article's LoRA settings (S4) as a ``peft.LoraConfig``; any LoraConfig field can be overridden.
+    """The pinned LoRA settings as a ``peft.LoraConfig``; any LoraConfig field can be overridden.
 
     Raises ``TypeError`` for a name LoraConfig does not have (listing the valid ones) and ``ValueError``
     for a value out of range, before PEFT sees it, so the message names the setting and its range.
@@ -217,7 +217,7 @@ def _check_training_values(s: Mapping[str, Any]) -> None:
 
 
 def grpo_config(output_dir: str, **overrides: Any) -> Any:
-    """The article's training and memory settings (S6) as a ``trl.GRPOConfig`` of the installed release.
+    """The pinned training and memory settings as a ``trl.GRPOConfig`` of the installed release.
 
     ``overrides`` may name any GRPOConfig field or one of the article's names (``group_size``,
     ``max_length``, ``reward_baseline``). Unknown names raise ``TypeError`` listing the valid ones;

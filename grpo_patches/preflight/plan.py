@@ -18,7 +18,7 @@ activations kept:
 - gradient checkpointing's second forward, ``2 x parameters x tokens`` FLOPs per micro-batch, at
   ``tflops``.
 
-Ranking: combinations that fit with S8's 2 GiB free on every GPU come first, then those that fit
+Ranking: combinations that fit with 2 GiB free on every GPU come first, then those that fit
 tighter; within each, cheapest first; at equal cost the simpler setup (ddp, fsdp2, zero2, zero3; no
 quantization) and then the smaller peak.
 
@@ -106,7 +106,7 @@ class PlanEntry:
 
     @property
     def tight(self) -> bool:
-        """Fits, but some GPU keeps under S8's 2 GiB free."""
+        """Fits, but some GPU keeps under 2 GiB free."""
         return self.fits and min(r.headroom or 0 for r in self.report.ranks) < 2 * GiB
 
     def label(self) -> str:
@@ -207,7 +207,7 @@ class Plan:
                 f"{cm.tflops:g} TFLOPS (grpo_patches/preflight/plan.py)"]
         if self.best is not None:
             b = self.best
-            head.append(f"cheapest that fits{' (under 2 GiB free: S8)' if b.tight else ''}: {b.label()} -> "
+            head.append(f"cheapest that fits{' (under 2 GiB free)' if b.tight else ''}: {b.label()} -> "
                         f"{b.settings()}")
             if b.layout.quantization:
                 head.append("  (a quantized base trains the adapter on a quantized model: QLoRA)")
@@ -268,7 +268,7 @@ def plan(model_config: Any, *, grpo_config: Any = None, world_size: int = 1, gpu
             tokens = batch * (s["prompt_length"] + completion)
             cost = dataclasses.replace(cost, recompute_flops=steps * 2 * report.params.total * tokens)
         entries.append(PlanEntry(layout, ckpt, placement, report, cost, cost_model.seconds(cost)))
-    # Fits that keep S8's 2 GiB free per GPU first (those known to fail after every other fit); then by
+    # Fits that keep 2 GiB free per GPU first (those known to fail after every other fit); then by
     # cost; at equal cost the simpler setup (no DeepSpeed, no quantization), then the smaller peak.
     entries.sort(key=lambda e: (not e.fits, bool(e.known_failure), e.tight,
                                 e.seconds if e.fits else e.required,
