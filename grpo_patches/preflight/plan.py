@@ -113,6 +113,14 @@ class PlanEntry:
         text = self.layout.label() + (" ckpt" if self.checkpointing else "")
         return text + (f" rewards={self.placement}" if self.placement != "local" else "")
 
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON types (``grpo-patches doctor --plan --json``); bytes as integers."""
+        return {"label": self.label(), "settings": self.settings(), "sharding": self.layout.sharding,
+                "quantization": self.layout.quantization, "offload_base": self.layout.offload_base,
+                "checkpointing": self.checkpointing, "reward_placement": self.placement, "fits": self.fits,
+                "known_failure": self.known_failure or None, "required": self.required,
+                "seconds_per_round": self.seconds, "report": self.report.to_dict()}
+
     def settings(self) -> str:
         """What to set to run it: the accelerate config and the kit / TRL / transformers settings."""
         out = {"ddp": ["examples/accelerate/ddp.yaml"], "zero2": ["examples/accelerate/zero2.yaml"],
@@ -155,6 +163,12 @@ class Plan:
     @property
     def best(self) -> PlanEntry | None:
         return self.fitting[0] if self.fitting else None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every combination, fitting ones first, cheapest first (``grpo-patches doctor --plan --json``)."""
+        best = self.best
+        return {"capacity": self.capacity, "best": best.label() if best is not None else None,
+                "cost_model": dataclasses.asdict(self.cost_model), "entries": [e.to_dict() for e in self.entries]}
 
     def closest(self) -> PlanEntry:
         """The combination nearest to fitting: the smallest need over capacity."""
@@ -214,7 +228,7 @@ class Plan:
         else:
             head.append("nothing fits. " + self.shortfall())
         hidden = len(self.entries) - len(shown)
-        tail = [f"({hidden} more that do not fit are not shown; Plan.entries has them all)"] if hidden else []
+        tail = [f"({hidden} more that do not fit are not shown; --json lists them all)"] if hidden else []
         tail += sorted({f"fails: {e.label()}: {e.known_failure}" for e in self.failing})
         return "\n".join(head + table + tail)
 

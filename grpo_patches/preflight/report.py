@@ -60,6 +60,12 @@ class RankEstimate:
     def __str__(self) -> str:
         return render_table([self], title=f"rank {self.rank}")
 
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON types, bytes as integers (``grpo-patches doctor --json``)."""
+        return {"rank": self.rank, "components": dict(self.components), "phases": dict(self.phases),
+                "peak": self.peak, "peak_phase": self.peak_phase, "required": self.required,
+                "capacity": self.capacity, "fits": self.fits}
+
 
 @dataclasses.dataclass
 class PreflightReport:
@@ -88,6 +94,19 @@ class PreflightReport:
 
     def table(self) -> str:
         return render_table(self.ranks)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON types, bytes as integers (``grpo-patches doctor --json``): what the table and the
+        lines around it say, for other tools to read."""
+        return {
+            "ok": self.ok, "fits": self.fits, "peak": self.peak,
+            "params": {"total": self.params.total, "trainable": self.params.trainable, "share": self.params.share},
+            "settings": {k: v if isinstance(v, (bool, int, float, str, type(None))) else str(v)
+                         for k, v in self.settings.items()},
+            "activations": {"checkpointed": self.activations_checkpointed, "full": self.activations_full},
+            "ranks": [r.to_dict() for r in self.ranks],
+            "errors": list(self.errors), "warnings": list(self.warnings),
+        }
 
     def __str__(self) -> str:
         s = self.settings
