@@ -1,4 +1,4 @@
-"""The vendored DeepSeekMath-style GRPO trainer with the kit, 2 processes on CPU (gloo), in a few minutes.
+"""The vendored DeepSeekMath-style GRPO trainer with the kit, 2 processes on CPU (gloo), in about 10 s.
 
     python examples/vendored_grpo.py [--steps 30] [--world-size 2] [--placement main|local]
                                      [--per-device-batch-size 16] [--unpatched] [--out demo_output/vendored]
