@@ -298,7 +298,8 @@ def layouts(session: nox.Session) -> None:
     newest = max(COMPAT["supported"], key=lambda v: tuple(int(x) for x in v.split(".")))
     row = COMPAT["supported"][newest]
     _install(session, newest, {name: row[name] for name in PINNED}, None)
-    session.install(*LAYOUT_DEPS, "tokenizers", "--override", _no_torch_override(session))
+    # math-verify and tensorboard: tests/test_deepspeed.py launches examples/train_grpo_lora.py with zero2 / zero3.yaml
+    session.install(*LAYOUT_DEPS, "tokenizers", "math-verify", "tensorboard", "--override", _no_torch_override(session))
     _versions(session)
     command = session.posargs or ["pytest", "-q", "tests/test_preflight_layouts.py", "tests/test_deepspeed.py"]
     session.run(*command, env={"GRPO_PATCHES_TRL_VERSION": newest})

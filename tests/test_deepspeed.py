@@ -46,3 +46,19 @@ def test_main_placement_with_a_reward_model_is_refused_on_every_rank_without_a_h
     for r in results:
         assert r.returncode == 3, describe(results)
         assert "cannot be used under DeepSpeed" in r.data["error"] and "reward_placement='local'" in r.data["error"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("math_verify") is None, reason="needs math-verify (nox -s layouts has it)")
+@pytest.mark.parametrize("name", ["zero2", "zero3"])
+def test_the_example_runs_under_the_shipped_deepspeed_config(name, tmp_path):
+    """examples/train_grpo_lora.py through ``accelerate launch --config_file`` with a CPU copy of the
+    shipped zero2.yaml / zero3.yaml (its ``--no-ds3-gather`` too, as zero3.yaml's comment offers)."""
+    from tests.test_examples import cpu_copy, launch
+
+    out = tmp_path / "run"
+    extra = ("--no-ds3-gather",) if name == "zero3" else ()
+    done = launch(cpu_copy(name, tmp_path), out, "--max-steps", "2", "--report-to", "", *extra)
+    log = done.stdout + done.stderr
+    assert done.returncode == 0, log[-4000:]
+    assert "done, 2 steps" in log and (out / "final" / "adapter_config.json").is_file()
+    assert "has no field for" not in log

@@ -22,7 +22,7 @@ activations kept:
 - gradient checkpointing's second forward, ``2 x parameters x tokens`` FLOPs per micro-batch, at
   ``tflops``.
 
-Ranking: combinations that fit with S8's 2 GiB free on every GPU come first, then those that fit
+Ranking: combinations that fit with 2 GiB free on every GPU come first, then those that fit
 tighter; within each, cheapest first; at equal cost the simpler setup (ddp, fsdp2, zero2, zero3; no
 quantization) and then the smaller peak.
 
@@ -112,7 +112,7 @@ class PlanEntry:
 
     @property
     def tight(self) -> bool:
-        """Fits, but some GPU keeps under S8's 2 GiB free."""
+        """Fits, but some GPU keeps under 2 GiB free."""
         return self.fits and min(r.headroom or 0 for r in self.report.ranks) < 2 * GiB
 
     def label(self) -> str:
@@ -127,6 +127,24 @@ class PlanEntry:
         config = f"examples/accelerate/{self.layout.sharding}.yaml"
         return {"script": "examples/train_grpo_lora.py", "config": config,
                 "command": f"accelerate launch --config_file {config} examples/train_grpo_lora.py"}
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON types (``grpo-patches doctor --plan --json``): the layout, whether and how it fits, its
+        cost per round, memory per GPU, what to set and the launch that runs it; the full report."""
+        c = self.cost
+        return {"label": self.label(), "sharding": self.layout.sharding, "quantization": self.layout.quantization,
+                "offload_base": self.layout.offload_base, "gradient_checkpointing": self.checkpointing,
+                "reward_placement": self.placement, "fits": self.fits, "tight": self.tight,
+                "known_failure": self.known_failure or None, "required": self.required,
+                "extra_seconds_per_round": round(self.seconds, 3),
+                "cost": {"gather_gb": c.gather_bytes / 1e9, "host_gb": c.host_bytes / 1e9,
+                         "dequant_gb": c.dequant_bytes / 1e9, "recompute_tflop": c.recompute_flops / 1e12,
+                         "idle_tflop": c.idle_flops / 1e12, "boundary_gb": c.boundary_bytes / 1e9,
+                         "fixed_seconds": c.fixed_seconds},
+                "needed_gib_per_gpu": [round(r.required / GiB, 3) for r in self.report.ranks],
+                "peak_gib_per_gpu": [round(r.peak / GiB, 3) for r in self.report.ranks],
+                "peak_phase": self.worst.peak_phase, "launch": self.launch, "settings": self.settings(),
+                "report": self.report.to_dict()}
 
     def settings(self) -> str:
         """What to set to run it: the accelerate config and the kit / TRL / transformers settings."""
@@ -183,6 +201,15 @@ class Plan:
     def best(self) -> PlanEntry | None:
         return self.fitting[0] if self.fitting else None
 
+    def to_dict(self) -> dict[str, Any]:
+        """Every combination, fitting ones first, cheapest first (``grpo-patches doctor --plan --json``), the best
+        one in full, and why nothing fits when nothing does."""
+        best = self.best
+        return {"capacity_gib": (self.capacity or 0) / GiB, "cost_model": dataclasses.asdict(self.cost_model),
+                "combinations": len(self.entries), "best": best.to_dict() if best is not None else None,
+                "entries": [e.to_dict() for e in self.entries],
+                "shortfall": None if best is not None else self.shortfall()}
+
     def closest(self) -> PlanEntry:
         """The combination nearest to fitting: the smallest need over capacity."""
         return min(self.entries, key=lambda e: (not e.report.ok, e.required))
@@ -210,29 +237,6 @@ class Plan:
                          f"{usable / GiB:.2f} GiB by {(weights - usable) / GiB:.2f} GiB.")
         return "\n".join(lines)
 
-    def as_dict(self) -> dict[str, Any]:
-        """The plan as JSON-ready data (``doctor --plan --json``): every entry that fits or is known to fail
-        and the closest that do not, each with its launch, cost breakdown and memory per GPU."""
-        def entry(e: PlanEntry) -> dict[str, Any]:
-            c = e.cost
-            return {"label": e.label(), "sharding": e.layout.sharding, "quantization": e.layout.quantization,
-                    "offload_base": e.layout.offload_base, "gradient_checkpointing": e.checkpointing,
-                    "reward_placement": e.placement, "fits": e.fits, "tight": e.tight,
-                    "known_failure": e.known_failure or None, "extra_seconds_per_round": round(e.seconds, 3),
-                    "cost": {"gather_gb": c.gather_bytes / 1e9, "host_gb": c.host_bytes / 1e9,
-                             "dequant_gb": c.dequant_bytes / 1e9, "recompute_tflop": c.recompute_flops / 1e12,
-                             "idle_tflop": c.idle_flops / 1e12, "boundary_gb": c.boundary_bytes / 1e9,
-                             "fixed_seconds": c.fixed_seconds},
-                    "needed_gib_per_gpu": [round(r.required / GiB, 3) for r in e.report.ranks],
-                    "peak_gib_per_gpu": [round(r.peak / GiB, 3) for r in e.report.ranks],
-                    "peak_phase": e.worst.peak_phase, "launch": e.launch, "settings": e.settings()}
-
-        shown = self.fitting + self.failing + [e for e in self.entries if not e.fits][:self.show_unfit]
-        return {"capacity_gib": (self.capacity or 0) / GiB, "cost_model": dataclasses.asdict(self.cost_model),
-                "combinations": len(self.entries), "best": entry(self.best) if self.best is not None else None,
-                "entries": [entry(e) for e in shown],
-                "shortfall": None if self.best is not None else self.shortfall()}
-
     def __str__(self) -> str:
         rows = [("#", "layout", "peak GiB (phase)", "needed/GPU", "fits", "extra s/round",
                  "gather GB", "host GB", "dequant GB", "recompute TFLOP", "idle TFLOP", "boundary GB",
@@ -259,7 +263,7 @@ class Plan:
                 f"{cm.tflops:g} TFLOPS (grpo_patches/preflight/plan.py)"]
         if self.best is not None:
             b = self.best
-            head.append(f"cheapest that fits{' (under 2 GiB free: S8)' if b.tight else ''}: {b.label()} -> "
+            head.append(f"cheapest that fits{' (under 2 GiB free)' if b.tight else ''}: {b.label()} -> "
                         f"{b.settings()}")
             if b.layout.quantization:
                 head.append("  (a quantized base trains the adapter on a quantized model: QLoRA)")
@@ -269,7 +273,7 @@ class Plan:
         else:
             head.append("nothing fits. " + self.shortfall())
         hidden = len(self.entries) - len(shown)
-        tail = [f"({hidden} more that do not fit are not shown; Plan.entries has them all)"] if hidden else []
+        tail = [f"({hidden} more that do not fit are not shown; --json lists them all)"] if hidden else []
         tail += sorted({f"fails: {e.label()}: {e.known_failure}" for e in self.failing})
         return "\n".join(head + table + tail)
 
@@ -349,7 +353,7 @@ def plan(model_config: Any, *, grpo_config: Any = None, world_size: int = 1, gpu
             tokens = batch * (s["prompt_length"] + completion)
             cost = dataclasses.replace(cost, recompute_flops=steps * 2 * report.params.total * tokens)
         entries.append(PlanEntry(layout, ckpt, placement, report, cost, cost_model.seconds(cost)))
-    # Fits that keep S8's 2 GiB free per GPU first (those known to fail after every other fit); then by
+    # Fits that keep 2 GiB free per GPU first (those known to fail after every other fit); then by
     # cost; at equal cost the simpler setup (no DeepSpeed, no quantization), then the smaller peak.
     entries += _split_entries(model_config, base, world_size=world_size, gpu_memory_gb=gpu_memory_gb,
                               reward_models=reward_models, cost_model=cost_model, **preflight_kwargs)
