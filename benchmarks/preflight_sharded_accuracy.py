@@ -15,7 +15,7 @@ Layouts: ``bf16`` (the control: DDP-style replica), ``nf4`` (bitsandbytes 4-bit,
 quantization), ``int8``, ``fsdp2-offload`` (FSDP2 + CPUOffloadPolicy), ``zero3`` (TRL's default
 whole-model gather for generation), ``zero3-layerwise`` (``ds3_gather_for_generation=False``),
 ``zero3-offload`` (``offload_param_device: cpu``), ``zero3-nf4`` (4-bit base under ZeRO-3 with
-layer-wise generation: what ``--plan`` names for the article's 70B on 4 x 24 GB). The device image has no deepspeed / bitsandbytes:
+layer-wise generation: what ``--plan`` names for the headline scenario, Llama-3.1-70B on 4 x 24 GB). The device image has no deepspeed / bitsandbytes:
 carry their wheels (see benchmarks/results/README of the run, or the device command in
 docs/defaults_preflight_monitor.md).
 """
@@ -47,7 +47,7 @@ LAYOUTS = {
     "zero3": ("zero3", {"sharding": "zero3"}, {}, None),
     "zero3-layerwise": ("zero3", {"sharding": "zero3"}, {"ds3_gather_for_generation": False}, None),
     "zero3-offload": ("zero3", {"sharding": "zero3", "offload_base": True}, {}, None),
-    # the README's plan for the article's 70B: 4-bit base under ZeRO-3, layer-wise generation
+    # the README's plan for Llama-3.1-70B on 4 x 24 GB: 4-bit base under ZeRO-3, layer-wise generation
     "zero3-nf4": ("zero3", {"sharding": "zero3", "quantization": "nf4"}, {"ds3_gather_for_generation": False},
                   dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                        bnb_4bit_compute_dtype="bfloat16", bnb_4bit_quant_storage="bfloat16")),

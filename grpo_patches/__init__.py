@@ -23,7 +23,7 @@ What the patch does to each trainer built afterwards:
 
 Besides the patch: :mod:`grpo_patches.defaults` (pinned LoRA / GRPO settings as real PEFT / TRL
 config objects), :func:`preflight` (per-rank memory estimate on the meta device, before a step
-runs) and :class:`GRPOMonitorCallback` (the article's health metrics through the Trainer's loggers).
+runs) and :class:`GRPOMonitorCallback` (a GRPO run's health metrics through the Trainer's loggers).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ time (no version checks), so one code path serves every release.
 The pinned training settings (in their common names) and where each lands:
 
 =====================  ===========================================================================
-article                here
+setting                here
 =====================  ===========================================================================
 group_size=4           ``num_generations=4`` (``group_size`` is accepted as an alias)
 max_length=512         prompt + completion budget: ``max_prompt_length=256`` where the release has
@@ -46,8 +46,8 @@ import torch
 from grpo_patches.grouping import check_group_shape, resolve_steps_per_generation
 
 __all__ = [
-    "ARTICLE_LORA_SETTINGS",
-    "ARTICLE_TRAINING_SETTINGS",
+    "PINNED_LORA_SETTINGS",
+    "PINNED_TRAINING_SETTINGS",
     "DefaultsWarning",
     "apply_lora",
     "grpo_config",
@@ -57,7 +57,7 @@ __all__ = [
 LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 #: LoRA: r=16 (not 32, not 8); alpha = 2r; every attention and MLP projection.
-ARTICLE_LORA_SETTINGS: dict[str, Any] = {
+PINNED_LORA_SETTINGS: dict[str, Any] = {
     "r": 16,
     "lora_alpha": 32,
     "lora_dropout": 0.05,
@@ -68,7 +68,7 @@ ARTICLE_LORA_SETTINGS: dict[str, Any] = {
 }
 
 #: The pinned training settings, in their common names; see the module docstring for how each maps onto GRPOConfig.
-ARTICLE_TRAINING_SETTINGS: dict[str, Any] = {
+PINNED_TRAINING_SETTINGS: dict[str, Any] = {
     "per_device_train_batch_size": 1,
     "gradient_accumulation_steps": 4,
     "num_train_epochs": 3,
@@ -88,7 +88,7 @@ ARTICLE_TRAINING_SETTINGS: dict[str, Any] = {
     "entropy_coef": 0.01,
 }
 
-# Article / kit names handled by hand below (max_prompt_length: a field only before TRL 0.28).
+# Common / kit names handled by hand below (max_prompt_length: a field only before TRL 0.28).
 _ALIASES = ("group_size", "max_length", "max_prompt_length", "reward_baseline")
 
 
@@ -111,7 +111,7 @@ def lora_config(**overrides: Any) -> Any:
     unknown = sorted(set(overrides) - set(valid))
     if unknown:
         raise TypeError(f"lora_config() got unknown setting(s) {_suggest(unknown, valid)}; valid names: {', '.join(valid)}.")
-    settings = {**ARTICLE_LORA_SETTINGS, **overrides}
+    settings = {**PINNED_LORA_SETTINGS, **overrides}
     _check_lora_values(settings)
     return peft.LoraConfig(**settings)
 
@@ -219,7 +219,7 @@ def _check_training_values(s: Mapping[str, Any]) -> None:
 def grpo_config(output_dir: str, **overrides: Any) -> Any:
     """The pinned training and memory settings as a ``trl.GRPOConfig`` of the installed release.
 
-    ``overrides`` may name any GRPOConfig field or one of the article's names (``group_size``,
+    ``overrides`` may name any GRPOConfig field or one of the common names (``group_size``,
     ``max_length``, ``reward_baseline``). Unknown names raise ``TypeError`` listing the valid ones;
     values out of range raise ``ValueError``; a per-rank batch that would split a group across ranks
     raises :class:`~grpo_patches.grouping.GroupShapeError` with the nearest valid settings. Settings
@@ -236,12 +236,12 @@ def grpo_config(output_dir: str, **overrides: Any) -> Any:
     if "group_size" in overrides and "num_generations" in overrides:
         raise TypeError("grpo_config(): give group_size or num_generations (the same setting), not both.")
 
-    settings = dict(ARTICLE_TRAINING_SETTINGS)
+    settings = dict(PINNED_TRAINING_SETTINGS)
     settings["num_generations"] = settings.pop("group_size")
     ov = dict(overrides)
     if "group_size" in ov:
         ov["num_generations"] = ov.pop("group_size")
-    # max_length is the article's prompt + completion budget: split it unless the parts are given.
+    # max_length is the pinned prompt + completion budget: split it unless the parts are given.
     max_length = ov.pop("max_length", settings.pop("max_length"))
     settings["max_length"] = max_length
     _check_training_values({"max_length": max_length})
@@ -254,7 +254,7 @@ def grpo_config(output_dir: str, **overrides: Any) -> Any:
     _check_training_values(settings)
     adapted: list[str] = []
     if "steps_per_generation" not in fields and "per_device_train_batch_size" not in ov:
-        # TRL < 0.19 generates per micro-batch, so the article's batch of 1 cannot hold a group there:
+        # TRL < 0.19 generates per micro-batch, so the pinned batch of 1 cannot hold a group there:
         # the smallest batch that can is one group.
         batch, group = settings["per_device_train_batch_size"], settings["num_generations"]
         if batch % group:

@@ -106,7 +106,8 @@ def check_group_shape(
 ) -> None:
     """Raise :class:`GroupShapeError` unless each rank generates whole groups.
 
-    The rule (the corrected form of the article's "group size divisible by the number of GPUs"):
+    The rule (the corrected form of the common advice "group size divisible by the number of GPUs", which
+    says nothing about how a rank's completions are cut):
     the completions one rank generates per generation round, ``per_device_batch_size *
     steps_per_generation``, must be a multiple of ``num_generations``.
     """

@@ -87,7 +87,7 @@ def test_apply_lora_freezes_base_and_enables_input_grads():
 # ----------------------------------------------------------------------------------- GRPO (S6)
 
 
-def test_grpo_config_is_a_trl_config_with_the_article_settings(tmp_path):
+def test_grpo_config_is_a_trl_config_with_the_pinned_settings(tmp_path):
     cfg = build(tmp_path)
     assert isinstance(cfg, trl.GRPOConfig)
     assert cfg.num_generations == 4 and cfg.temperature == 0.7 and cfg.top_p == 0.9
@@ -237,7 +237,7 @@ def test_zero_reward_baseline_is_not_reported(tmp_path):
     assert not any("reward_baseline" in str(w.message) for w in caught)
 
 
-def test_article_names_and_max_length_split(tmp_path):
+def test_common_names_and_max_length_split(tmp_path):
     assert build(tmp_path, group_size=8, per_device_train_batch_size=2).num_generations == 8
     assert build(tmp_path, max_length=1024).max_completion_length == 512
     assert build(tmp_path, max_length=1024, max_prompt_length=768).max_completion_length == 256

@@ -97,7 +97,7 @@ def test_thresholds_fire_during_a_real_run(run):
     ({"reward_group_std": 0.4}, 5000, False), ({"reward_group_std": float("nan")}, 5000, False),
     ({"grad_norm": 10.5}, 3, True), ({"grad_norm": 9.9}, 3, False), ({}, 3, False),
 ])
-def test_article_thresholds(values, step, fires):
+def test_health_thresholds(values, step, fires):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         messages = GRPOMonitorCallback().check(values, step=step)

@@ -12,8 +12,8 @@ from grpo_patches.preflight.plan import plan
 GiB = 2**30
 SMALL = dict(per_device_train_batch_size=4, steps_per_generation=1, num_generations=4, max_completion_length=128,
              gradient_checkpointing=True, bf16=True)
-# The article's scenario: 8 completions x 512 tokens per GPU, one group of 8 per rank.
-ARTICLE = dict(per_device_train_batch_size=1, steps_per_generation=8, num_generations=8, max_completion_length=512)
+# The headline scenario (Llama-3.1-70B on 4 x 24 GB): 8 completions x 512 tokens per GPU, one group of 8 per rank.
+HEADLINE = dict(per_device_train_batch_size=1, steps_per_generation=8, num_generations=8, max_completion_length=512)
 
 
 def est(model="qwen2-1.5b", world_size=4, **kw):
@@ -168,8 +168,8 @@ def test_every_phase_is_reported_and_the_peak_named():
     assert r.peak == max(r.phases.values()) and r.peak_phase in r.phases
 
 
-def test_article_scenario_plan_names_a_fitting_layout():
-    result = plan("llama-3.1-70b", grpo_config=ARTICLE, world_size=4, gpu_memory_gb=24, prompt_length=256)
+def test_headline_scenario_plan_names_a_fitting_layout():
+    result = plan("llama-3.1-70b", grpo_config=HEADLINE, world_size=4, gpu_memory_gb=24, prompt_length=256)
     best = result.best
     assert best is not None and best.fits
     # 131 GiB of bf16 weights cannot be replicated; a fitting plan shards or splits the base
@@ -185,7 +185,7 @@ def test_article_scenario_plan_names_a_fitting_layout():
 def test_a_layout_known_to_fail_with_stock_trl_is_listed_but_never_recommended():
     from grpo_patches.preflight import plan as plan_module
 
-    result = plan("llama-3.1-70b", grpo_config=ARTICLE, world_size=4, gpu_memory_gb=24, prompt_length=256)
+    result = plan("llama-3.1-70b", grpo_config=HEADLINE, world_size=4, gpu_memory_gb=24, prompt_length=256)
     failing = [e for e in result.entries if e.fits and e.known_failure]
     assert [e.label() for e in failing] == ["fsdp2 offload ckpt"], "it fits in memory (and is the cheapest fit)"
     assert failing[0].seconds > result.best.seconds and failing[0] not in result.fitting
@@ -197,7 +197,7 @@ def test_a_layout_known_to_fail_with_stock_trl_is_listed_but_never_recommended()
     saved = dict(plan_module.KNOWN_FAILURES)
     plan_module.KNOWN_FAILURES.clear()
     try:
-        again = plan("llama-3.1-70b", grpo_config=ARTICLE, world_size=4, gpu_memory_gb=24, prompt_length=256)
+        again = plan("llama-3.1-70b", grpo_config=HEADLINE, world_size=4, gpu_memory_gb=24, prompt_length=256)
         assert again.fitting.index(next(e for e in again.fitting if e.label() == "fsdp2 offload ckpt")) < \
             again.fitting.index(next(e for e in again.fitting if e.label() == "fsdp2 nf4+dq ckpt"))
     finally:
@@ -206,7 +206,7 @@ def test_a_layout_known_to_fail_with_stock_trl_is_listed_but_never_recommended()
 
 def test_plan_exits_1_naming_the_component_over_and_by_how_much(capsys):
     args = ["doctor", "--model", "llama-3.1-70b", "--world-size", "2", "--gpu-memory-gb", "8", "--plan",
-            "--prompt-length", "256"] + [f"--set={k}={v}" for k, v in ARTICLE.items()]
+            "--prompt-length", "256"] + [f"--set={k}={v}" for k, v in HEADLINE.items()]
     assert cli_main(args) == 1
     out = capsys.readouterr().out
     assert "nothing fits" in out and "over by" in out and "largest components" in out

@@ -28,7 +28,7 @@ from grpo_patches.preflight.pipeline_split import (
     stage_params,
 )
 from grpo_patches.preflight.plan import CostModel, plan
-from tests.test_plan import ARTICLE
+from tests.test_plan import HEADLINE
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
@@ -96,8 +96,8 @@ def test_stage_memory_counts_its_layers_cache_and_boundary():
     assert one.components["reward_weights"] == 0 and two.fits
 
 
-def test_article_scenario_cheapest_fit_is_a_pipeline_at_a_quarter_of_fsdp2(capsys):
-    result = plan("llama-3.1-70b", grpo_config=ARTICLE, world_size=4, gpu_memory_gb=24, prompt_length=256)
+def test_headline_scenario_cheapest_fit_is_a_pipeline_at_a_quarter_of_fsdp2(capsys):
+    result = plan("llama-3.1-70b", grpo_config=HEADLINE, world_size=4, gpu_memory_gb=24, prompt_length=256)
     best = result.best
     assert best.label() == "pipeline 4 nf4+dq ckpt" and best.fits and not best.tight
     assert best.seconds <= 430
@@ -111,7 +111,7 @@ def test_article_scenario_cheapest_fit_is_a_pipeline_at_a_quarter_of_fsdp2(capsy
     dp = [e for e in result.entries if e.label().startswith("pipeline 2 x dp 2 nf4")]
     assert dp and all(e.known_failure and e not in result.fitting for e in dp)
     args = ["doctor", "--model", "llama-3.1-70b", "--world-size", "4", "--gpu-memory-gb", "24", "--plan", "--json",
-            "--prompt-length", "256"] + [f"--set={k}={v}" for k, v in ARTICLE.items()]
+            "--prompt-length", "256"] + [f"--set={k}={v}" for k, v in HEADLINE.items()]
     assert cli_main(args) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["best"]["label"] == "pipeline 4 nf4+dq ckpt"

@@ -87,7 +87,7 @@ def test_pinned_lora_is_not_flagged_on_small_models(model):
     assert share_advice(model) == []  # 1.75% / 1.2% / 0.52%: outside 0.1-0.5% but right for the size
 
 
-def test_share_band_is_the_article_band_at_70b(count_70b):
+def test_share_band_is_the_pinned_band_at_70b(count_70b):
     assert share_advice("llama-3.1-70b") == []
     assert share_advice("llama-3.1-70b", lora_config(r=8)) == []  # 0.15%: inside 0.1-0.5%
     assert share_advice("llama-3.1-70b", lora_config(r=32))  # 0.58%: "not 32"

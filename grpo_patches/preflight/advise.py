@@ -16,13 +16,13 @@ from grpo_patches.preflight.layout import Layout
 from grpo_patches.preflight.report import GiB, PreflightError, RankEstimate, gib
 from grpo_patches.preflight.settings import RewardModelSpec, RunSettings
 
-__all__ = ["article_advice", "check_fit", "check_shapes", "no_fit_message", "share_advice"]
+__all__ = ["pinned_advice", "check_fit", "check_shapes", "no_fit_message", "share_advice"]
 
 #: The advised trainable-share band (0.1-0.5%) holds for a 70B model, where the pinned LoRA
 #: gives 0.2927% (counted on the meta device for the Llama-3.1-70B config). For other sizes the band
 #: is scaled by the share the pinned LoRA gives on that architecture (0.52% at 8B, 1.2% at 1.5B).
-_ARTICLE_SHARE_BAND = (0.001, 0.005)
-_ARTICLE_SHARE_REFERENCE = 0.002927
+_SHARE_BAND = (0.001, 0.005)
+_SHARE_REFERENCE = 0.002927
 _LARGE_MODEL_PARAMS = 65e9  # "70B+": Llama 65B / 70B class
 _MIN_TOTAL_VRAM_GB = 40.0
 _MIN_DATASET_SIZE = 1000
@@ -30,8 +30,8 @@ _MIN_FREE_GB = 2.0  # free memory per GPU kept for peaks the model does not see
 
 
 def share_advice(params: ParamCount, pinned: bool) -> list[str]:
-    scale = params.reference_share / _ARTICLE_SHARE_REFERENCE
-    low, high = (b * scale for b in _ARTICLE_SHARE_BAND)
+    scale = params.reference_share / _SHARE_REFERENCE
+    low, high = (b * scale for b in _SHARE_BAND)
     share = params.share
     if low <= share <= high:
         return []
@@ -122,7 +122,7 @@ def check_fit(arch: Arch, params: ParamCount, ranks: list[RankEstimate], s: RunS
     return None, []
 
 
-def article_advice(arch: Arch, params: ParamCount, s: RunSettings, layout: Layout, *, pinned_lora: bool,
+def pinned_advice(arch: Arch, params: ParamCount, s: RunSettings, layout: Layout, *, pinned_lora: bool,
                    gpu_memory_gb: float | None, dataset_size: int | None, reward_specs: list[RewardModelSpec],
                    reward_functions: int, rewards: list[tuple[RewardModelSpec, Arch, int]],
                    fast_generation: Any) -> list[str]:

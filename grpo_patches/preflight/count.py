@@ -110,9 +110,9 @@ def _lora_params(model: torch.nn.Module, r: int, targets: Iterable[str]) -> int:
 
 def _reference_lora_params(model: torch.nn.Module) -> int:
     """Parameters the pinned LoRA adds on this architecture."""
-    from grpo_patches.defaults import ARTICLE_LORA_SETTINGS
+    from grpo_patches.defaults import PINNED_LORA_SETTINGS
 
-    return _lora_params(model, ARTICLE_LORA_SETTINGS["r"], ARTICLE_LORA_SETTINGS["target_modules"])
+    return _lora_params(model, PINNED_LORA_SETTINGS["r"], PINNED_LORA_SETTINGS["target_modules"])
 
 
 def _is_plain_lora(lora: Any) -> bool:

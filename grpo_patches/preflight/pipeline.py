@@ -6,7 +6,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from grpo_patches.preflight.advise import article_advice, check_fit, check_shapes
+from grpo_patches.preflight.advise import check_fit, check_shapes, pinned_advice
 from grpo_patches.preflight.count import ParamCount, architecture, count_parameters, count_reward_models
 from grpo_patches.preflight.estimate import activation_bytes, estimate_inputs, estimate_ranks
 from grpo_patches.preflight.layout import QUANTIZATIONS, SHARDINGS, Layout, resolve_layout
@@ -118,7 +118,7 @@ def preflight(
 
     shape_errors = check_shapes(s)
     fit_error, advice = check_fit(arch, params, ranks, s, common, lean_width, capacity)
-    advice += article_advice(arch, params, s, layout, pinned_lora=lora_config is None, gpu_memory_gb=gpu_memory_gb,
+    advice += pinned_advice(arch, params, s, layout, pinned_lora=lora_config is None, gpu_memory_gb=gpu_memory_gb,
                              dataset_size=dataset_size, reward_specs=specs, reward_functions=n_functions,
                              rewards=rewards, fast_generation=fast_generation)
     errors = [str(e) for e in shape_errors] + ([str(fit_error)] if fit_error is not None else [])

@@ -30,7 +30,7 @@ Passes per round: ``completion_length`` decoding steps (TRL's FSDP2 and ``ds3_ga
 False`` paths gather every layer at each one; the default ZeRO-3 path gathers the model once), then
 per micro-batch a forward and a backward, plus a reference forward when ``beta > 0``. Quantization
 also changes the model the adapter is trained on (QLoRA): the table says so rather than pricing it.
-The defaults describe the article's RTX 3090s on PCIe 4.0 without NVLink (the figure is for ranking,
+The defaults describe RTX 3090-class GPUs on PCIe 4.0 without NVLink (the figure is for ranking,
 not a step-time prediction).
 """
 

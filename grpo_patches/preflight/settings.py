@@ -314,7 +314,7 @@ def resolve_settings(
     logits_mode: str,
 ) -> RunSettings:
     """Check preflight's arguments and read the GRPO settings (the pinned defaults where one is missing)."""
-    from grpo_patches.defaults import ARTICLE_TRAINING_SETTINGS
+    from grpo_patches.defaults import PINNED_TRAINING_SETTINGS
     from grpo_patches.defaults import lora_config as default_lora
     from grpo_patches.grouping import resolve_steps_per_generation
 
@@ -326,7 +326,7 @@ def resolve_settings(
 
     g = grpo_config
     check_setting_names(g)
-    art = ARTICLE_TRAINING_SETTINGS
+    art = PINNED_TRAINING_SETTINGS
 
     def whole(name: str, default: Any, minimum: int = 1, why: str = "") -> Any:
         value = setting(g, name, default)

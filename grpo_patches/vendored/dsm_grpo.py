@@ -1,7 +1,7 @@
 """A compact DeepSeekMath-style GRPO trainer (Shao et al. 2024, "DeepSeekMath", section 4.1), unpatched.
 
-The paper's algorithm, made multi-process with ``accelerate`` the naive way the kit's article
-starts from ("the official DeepSeekMath code plus accelerate"). It is the baseline the kit's
+The paper's algorithm, made multi-process with ``accelerate`` the naive way: the paper's single-process
+loop with each rank taking a slice of the batch. It is the baseline the kit's
 patches are measured against, so its faults are kept on purpose and marked ``NAIVE:`` where they
 are. Top to bottom, one step:
 
