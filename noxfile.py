@@ -13,7 +13,8 @@
     nox -t fork-edits-5                 # every release of one such group (`grpo-patches edit-groups` lists them)
 
 Each session builds a fresh uv venv (hard links from uv's cache: about 2 s per release once the cache
-is warm), installs CPU torch first (uncapped; torch is never part of the pinned set), then TRL and
+is warm) that sees one shared CPU torch (``.nox/.torch``, built on first use, through a ``.pth``; uncapped:
+torch is never part of the pinned set), then installs TRL and
 its pinned transformers / accelerate / peft / datasets with every other dependency capped at the
 day after that TRL release (``uv pip install --exclude-newer``: the same era-true resolve the table
 was made with), then this repo (editable, no deps) and the test tools.
@@ -297,7 +298,8 @@ def layouts(session: nox.Session) -> None:
     newest = max(COMPAT["supported"], key=lambda v: tuple(int(x) for x in v.split(".")))
     row = COMPAT["supported"][newest]
     _install(session, newest, {name: row[name] for name in PINNED}, None)
-    session.install(*LAYOUT_DEPS, "tokenizers", "--override", _no_torch_override(session))
+    # math-verify and tensorboard: tests/test_deepspeed.py launches examples/train_grpo_lora.py with zero2 / zero3.yaml
+    session.install(*LAYOUT_DEPS, "tokenizers", "math-verify", "tensorboard", "--override", _no_torch_override(session))
     _versions(session)
     command = session.posargs or ["pytest", "-q", "tests/test_preflight_layouts.py", "tests/test_deepspeed.py"]
     session.run(*command, env={"GRPO_PATCHES_TRL_VERSION": newest})

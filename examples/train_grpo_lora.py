@@ -43,7 +43,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-column", default="prompt")
     p.add_argument("--solution-column", default="solution",
                    help="the reference answer; gsm8k-style '#### 42' endings are cut to the number")
-    p.add_argument("--output-dir", default="grpo_output")
+    p.add_argument("--output-dir", default="outputs/grpo", help="checkpoints, logs and the adapter (default outputs/grpo)")
     p.add_argument("--max-steps", type=int, default=500)
     p.add_argument("--save-steps", type=int, default=100)
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --output-dir")
@@ -54,6 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--placement", default="local", choices=["local", "main"], help="where rewards run")
     p.add_argument("--gpu-memory-gb", type=float, default=None, help="preflight: GiB per GPU (default: detected)")
     p.add_argument("--report-to", default="tensorboard")
+    p.add_argument("--no-ds3-gather", dest="ds3_gather", action="store_false",
+                   help="ZeRO-3: generate from the partitioned model instead of gathering it whole first (slow: "
+                   "every decoding step gathers every layer; for models whose whole copy does not fit one GPU)")
     p.add_argument("--fast-generation", action="store_true", help="compiled decoding (GPU, TRL >= 0.29)")
     p.add_argument("--lean-lora", action="store_true",
                    help="LoRA layers without PEFT's fp32 input copy under bf16 autocast (less memory and time)")
@@ -169,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
         per_device_train_batch_size=args.per_device_batch, steps_per_generation=args.steps_per_generation,
         gradient_accumulation_steps=args.steps_per_generation, num_generations=args.num_generations,
         max_completion_length=args.max_completion_length, report_to=[args.report_to] if args.report_to else [],
-        logging_steps=1, use_cpu=not on_gpu, **({} if on_gpu else {"bf16": False}),
+        logging_steps=1, use_cpu=not on_gpu,
+        **({} if args.ds3_gather else {"ds3_gather_for_generation": False}),
     )
     lora = lora_config()
     model_config, load_model, tokenizer = model_config_and_loader(args.model, None)

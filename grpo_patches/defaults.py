@@ -1,11 +1,11 @@
-"""Pinned LoRA and memory defaults: the article's settings (S4, S6) as real config objects.
+"""Pinned LoRA and memory defaults as real config objects.
 
 Why real objects: a dict of settings silently keeps a misspelt key or a field that the installed TRL
 release renamed; a ``peft.LoraConfig`` / ``trl.GRPOConfig`` built here is checked by the library
 itself, and the mapping below is decided by looking at ``dataclasses.fields(trl.GRPOConfig)`` at call
 time (no version checks), so one code path serves every release.
 
-What the article asks for and where it lands (S6):
+The pinned training settings (in their common names) and where each lands:
 
 =====================  ===========================================================================
 article                here
@@ -16,10 +16,14 @@ max_length=512         prompt + completion budget: ``max_prompt_length=256`` whe
 bf16, tf32             bf16 only where the device supports it; tf32 only on CUDA compute >= 8.0
 gradient_checkpointing on, ``use_reentrant=False`` (PEFT-safe); ``True`` for PEFT + DeepSpeed
                        ZeRO-3 (TRL PR #6356, transformers#47254)
-entropy_coef=0.01      ``entropy_coef`` where the release has it; otherwise named in a warning
+entropy_coef=0.01      ``entropy_coef`` where the release has it
 reward_baseline=0.0    no TRL field: GRPO's baseline is the group mean, and an extra baseline of 0
                        changes nothing; a non-zero value is named in a warning and not applied
 =====================  ===========================================================================
+
+A pinned setting the installed release has no field for is left out silently (the defaults fit every
+supported release without a warning); a setting the *caller* passed that the release lacks is named
+in a :class:`DefaultsWarning` and not applied.
 
 The model-side half of the memory settings (input gradients for PEFT + checkpointing, TRL issues
 #3089 / #3150) cannot live in a config object: :func:`apply_lora` does it.
@@ -52,7 +56,7 @@ __all__ = [
 
 LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
-#: S4: "r=16, not 32, not 8"; alpha = 2r; every attention and MLP projection.
+#: LoRA: r=16 (not 32, not 8); alpha = 2r; every attention and MLP projection.
 ARTICLE_LORA_SETTINGS: dict[str, Any] = {
     "r": 16,
     "lora_alpha": 32,
@@ -63,7 +67,7 @@ ARTICLE_LORA_SETTINGS: dict[str, Any] = {
     "inference_mode": False,
 }
 
-#: S6, in the article's own names; see the module docstring for how each maps onto GRPOConfig.
+#: The pinned training settings, in their common names; see the module docstring for how each maps onto GRPOConfig.
 ARTICLE_TRAINING_SETTINGS: dict[str, Any] = {
     "per_device_train_batch_size": 1,
     "gradient_accumulation_steps": 4,
@@ -96,7 +100,7 @@ class DefaultsWarning(UserWarning):
 
 
 def lora_config(**overrides: Any) -> Any:
-    """The article's LoRA settings (S4) as a ``peft.LoraConfig``; any LoraConfig field can be overridden.
+    """The pinned LoRA settings as a ``peft.LoraConfig``; any LoraConfig field can be overridden.
 
     Raises ``TypeError`` for a name LoraConfig does not have (listing the valid ones) and ``ValueError``
     for a value out of range, before PEFT sees it, so the message names the setting and its range.
@@ -213,13 +217,14 @@ def _check_training_values(s: Mapping[str, Any]) -> None:
 
 
 def grpo_config(output_dir: str, **overrides: Any) -> Any:
-    """The article's training and memory settings (S6) as a ``trl.GRPOConfig`` of the installed release.
+    """The pinned training and memory settings as a ``trl.GRPOConfig`` of the installed release.
 
     ``overrides`` may name any GRPOConfig field or one of the article's names (``group_size``,
     ``max_length``, ``reward_baseline``). Unknown names raise ``TypeError`` listing the valid ones;
     values out of range raise ``ValueError``; a per-rank batch that would split a group across ranks
     raises :class:`~grpo_patches.grouping.GroupShapeError` with the nearest valid settings. Settings
-    the release lacks are named in a :class:`DefaultsWarning` and left out.
+    the caller passed that the release lacks are named in a :class:`DefaultsWarning` and left out; pinned
+    ones it lacks are left out silently.
     """
     import trl
 
@@ -265,9 +270,12 @@ def grpo_config(output_dir: str, **overrides: Any) -> Any:
     settings.pop("max_length")
     if baseline != 0.0:
         lacking.append(f"reward_baseline={baseline} (no TRL release has it; GRPO's baseline is the group mean)")
+    chosen = set(overrides) | ({"max_prompt_length"} if "max_length" in overrides else set())
     for name, value in settings.items():
         if name in fields:
             kwargs[name] = value
+        elif name not in chosen:
+            continue  # a pinned default this release cannot express: left out, silently
         elif name == "max_prompt_length":
             if value is not None:
                 lacking.append(
@@ -279,18 +287,25 @@ def grpo_config(output_dir: str, **overrides: Any) -> Any:
 
     # Memory settings for the combination in use, unless the caller chose them.
     if "bf16" not in ov and "fp16" not in ov and "bf16" in fields:
-        kwargs["bf16"] = _bf16_supported()  # TRL >= 0.19 defaults to True, which fails on CPU / pre-Ampere
+        # TRL >= 0.19 defaults to True, which fails on CPU / pre-Ampere. Under `accelerate launch` the
+        # config's mixed_precision decides: DeepSpeed refuses a bf16 that differs from its own.
+        launched = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+        deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() in ("1", "true", "yes")
+        kwargs["bf16"] = launched == "bf16" if launched in ("bf16", "fp16") or deepspeed else _bf16_supported()
+        if launched == "fp16" and "fp16" in fields:
+            kwargs["fp16"] = True
     if "tf32" not in ov and "tf32" in fields and _tf32_supported():
         kwargs["tf32"] = True
     if kwargs.get("gradient_checkpointing") and "gradient_checkpointing_kwargs" not in ov:
         # Non-reentrant works for PEFT without input grads; PEFT + ZeRO-3 needs reentrant (TRL PR #6356).
         reentrant = _zero_stage(ov.get("deepspeed")) == 3
         kwargs["gradient_checkpointing_kwargs"] = {"use_reentrant": reentrant}
-    if kwargs.get("gradient_checkpointing") and "ddp_find_unused_parameters" not in ov:
-        # A PeftModel is not a PreTrainedModel, so Trainer asks DDP to look for unused parameters, which
-        # fails with checkpointing ("mark a variable ready only once", TRL 0.23 / 0.26 + transformers 4.x);
-        # every LoRA weight is used in every forward, so there are none to look for. Where the
-        # search runs, it costs time: 0.974x step time with the pin on 2 H200s (benchmarks/results/).
+    if "ddp_find_unused_parameters" in fields and "ddp_find_unused_parameters" not in ov:
+        # A PeftModel is not a PreTrainedModel, so Trainer asks DDP to look for unused parameters: a graph
+        # walk every step (0.974x step time with the pin on 2 H200s, benchmarks/results/), a PyTorch
+        # warning on every rank, and with checkpointing a failure ("mark a variable ready only once",
+        # TRL 0.23 / 0.26 + transformers 4.x). Every LoRA weight is used in every forward, so there are
+        # none to look for, with checkpointing or without.
         kwargs["ddp_find_unused_parameters"] = False
 
     _check_settings_group_shape(settings, fields)

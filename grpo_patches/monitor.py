@@ -1,4 +1,4 @@
-"""The article's monitoring (S8) as a ``transformers.TrainerCallback``, logged through ``report_to``.
+"""Training-health monitoring (memory, GPU use, in-group reward spread, gradient norm) as a ``transformers.TrainerCallback``, logged through ``report_to``.
 
 Per rank: allocated / peak / free GPU memory (warn under 2 GiB free) and GPU utilization where NVML
 is available (``torch.cuda.utilization``, which needs the optional ``nvidia-ml-py``; absent, the
@@ -44,7 +44,7 @@ GiB = 2**30
 
 
 class MonitorWarning(RuntimeWarning):
-    """A training signal past one of the article's thresholds (S8)."""
+    """A training signal past one of the monitor's thresholds (memory, reward spread, gradient norm)."""
 
 
 def in_group_reward_std(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
@@ -74,7 +74,7 @@ def _peak_rss_bytes() -> int:
 
 
 class GRPOMonitorCallback(TrainerCallback):
-    """Logs memory, GPU utilization, in-group reward std and gradient norm; warns on S8's thresholds.
+    """Logs memory, GPU utilization, in-group reward std and gradient norm; warns past its thresholds.
 
     Use ``GRPOMonitorCallback().attach(trainer)`` (or pass it in ``callbacks=`` and call
     ``attach`` afterwards): see the module docstring for why the position matters. Metric names:
@@ -182,15 +182,15 @@ class GRPOMonitorCallback(TrainerCallback):
         free = values.get("memory_free_gb")
         if free is not None and free < self.min_free_gb:
             messages.append(f"{where}{free:.2f} GiB free on the GPU, under {self.min_free_gb:g} GiB: the next long "
-                            f"batch may OOM (S8); lower per_device_train_batch_size or max_completion_length.")
+                            f"batch may run out of memory; lower per_device_train_batch_size or max_completion_length.")
         std = values.get("reward_group_std")
         if std is not None and math.isfinite(std) and step >= self.reward_std_after_step and std > self.reward_std_threshold:
             messages.append(f"{where}in-group reward std {std:.3f} > {self.reward_std_threshold:g} at step {step} "
-                            f"(after {self.reward_std_after_step}): S8 reads this as overfitting.")
+                            f"(after {self.reward_std_after_step}): the policy may be overfitting (every completion of a prompt scores alike).")
         grad = values.get("grad_norm")
         if grad is not None and math.isfinite(grad) and grad > self.grad_norm_threshold:
             messages.append(f"{where}gradient norm {grad:.3g} > {self.grad_norm_threshold:g} at step {step}: a spike "
-                            f"(S8: stable is 0.1-1.0); check the learning rate and the rewards.")
+                            f"(stable training keeps it within 0.1-1.0); check the learning rate and the rewards.")
         for m in messages:
             warnings.warn(f"grpo_patches.monitor: {m}", MonitorWarning, stacklevel=2)
         return messages

@@ -1,6 +1,6 @@
 """Reward placement: score on each rank ("local") or on the main process ("main"). No TRL import.
 
-The usual ``compute_rewards`` patch for this (gather, score on main, scatter) gathers completions to the main process,
+A ``compute_rewards`` that gathers completions to the main process,
 scores them there and sends each rank its share; as printed it cannot work (``gather`` takes no
 strings, non-main ranks get ``None``, ``chunk`` assumes equal shares). This is the intent done
 right, over :class:`~grpo_patches.collectives.FailFastGroup`:

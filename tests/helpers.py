@@ -1,4 +1,4 @@
-"""Test helpers: the tiny components (grpo_patches.testing), TRL configs and trainers for CPU tests, rewards."""
+"""Test helpers: the tiny components (grpo_patches/testing.py, loaded without the kit: tests/kitfree.py), TRL configs and trainers for CPU tests, rewards."""
 
 from __future__ import annotations
 
@@ -6,18 +6,16 @@ import os
 import tempfile
 from typing import Any
 
-from grpo_patches.testing import (  # noqa: F401  (the tiny components, as the tests import them)
-    PROJ,
-    SPECIAL,
-    WORDS,
-    prompt_dataset,
-    quiet,
-    tiny_config,
-    tiny_policy,
-    tiny_reward_model,
-    tiny_tokenizer,
-)
-from grpo_patches.testing import tiny_lora as lora  # noqa: F401
+try:
+    from tests.kitfree import testing
+except ModuleNotFoundError:  # imported as a top-level module with tests/ on sys.path (tests/fork/settings_probe.py)
+    from kitfree import testing
+
+# the tiny components, as the tests import them (grpo_patches/testing.py, without importing the kit)
+PROJ, SPECIAL, WORDS = testing.PROJ, testing.SPECIAL, testing.WORDS
+prompt_dataset, quiet, tiny_config = testing.prompt_dataset, testing.quiet, testing.tiny_config
+tiny_policy, tiny_reward_model, tiny_tokenizer = testing.tiny_policy, testing.tiny_reward_model, testing.tiny_tokenizer
+lora = testing.tiny_lora
 
 
 def on_gpu() -> bool:

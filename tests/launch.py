@@ -16,7 +16,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from grpo_patches.testing import free_port
+from tests.kitfree import testing
+
+free_port = testing.free_port  # grpo_patches/testing.py, without importing the kit (fork mode)
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -25,7 +25,7 @@ without a mutation would "kill" everything.
 
 Incremental, as Stryker's incremental mode and mutmut's cache do: every killed mutation is recorded in
 ``tests/mutations.lock.json`` under a key, the hash of what decides its outcome (the entry itself, its target
-file, its guard test files and the support modules beside them, and the TRL release and pins it ran against).
+file, its guard test files and the modules of tests/ they use, and the TRL release and pins it ran against).
 The record is committed. ``--stale`` runs only the entries whose record is missing or whose key changed and
 writes the new records; the suite (``tests/test_mutation_list.py``) fails while any record is missing or stale,
 so a change to a target or a guard is re-proven before it lands. ``--ci`` runs nothing stale (it fails on a
@@ -36,10 +36,12 @@ no longer holds is caught within a few days; the full run stays one command.
 from __future__ import annotations
 
 import argparse
+import ast
 import datetime
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -88,19 +90,44 @@ def _newest_release() -> tuple[str, dict]:
     return newest, supported[newest]
 
 
+def _test_modules(path: Path, root: Path) -> set[str]:
+    """The modules of tests/ that a test file uses: its ``tests.*`` imports and the ``"tests.X"`` worker
+    modules it names (``run_ranks("tests.workers.dist_trl", ...)``), followed transitively."""
+    seen: set[str] = set()
+    todo = [path]
+    while todo:
+        current = todo.pop()
+        rel = current.relative_to(root).as_posix()
+        if rel in seen or not current.is_file():
+            continue
+        seen.add(rel)
+        names: set[str] = set()
+        for node in ast.walk(ast.parse(current.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names.add(node.module)
+                names.update(f"{node.module}.{alias.name}" for alias in node.names)
+            elif isinstance(node, ast.Import):
+                names.update(alias.name for alias in node.names)
+            elif (isinstance(node, ast.Constant) and isinstance(node.value, str)
+                  and re.fullmatch(r"tests(\.\w+)+", node.value)):
+                names.add(node.value)
+        for name in names:
+            if name.startswith("tests."):
+                base = root / Path(*name.split("."))
+                todo += [base.with_suffix(".py"), base / "__init__.py"]
+    return seen
+
+
 def key_files(entry: dict, root: Path = ROOT) -> list[str]:
-    """What decides the entry's outcome besides the entry: its target, its guard test files, and the support
-    modules the guards run (the non-test modules beside each guard file, tests/workers/, tests' helpers)."""
+    """What decides the entry's outcome besides the entry: its target, its guard test files, and the modules
+    of tests/ those use (imports and named worker modules, transitively; tests/kitfree.py loads
+    grpo_patches/testing.py by its path)."""
     files = {entry["file"]}
     for guard in entry["guards"]:
-        path = root / guard.partition("::")[0]
-        files.add(path.relative_to(root).as_posix())
-        support = [*path.parent.glob("*.py"), *(root / "tests" / "workers").glob("*.py"),
-                   root / "tests" / "helpers.py", root / "tests" / "launch.py"]
-        for f in support:
-            if f.is_file() and not f.name.startswith("test_") and f.name != "mutations.py":
-                files.add(f.relative_to(root).as_posix())
-    return sorted(files)
+        files |= _test_modules(root / guard.partition("::")[0], root)
+    if "tests/kitfree.py" in files:
+        files.add("grpo_patches/testing.py")
+    return sorted(f for f in files if (root / f).is_file())
 
 
 def key(entry: dict, root: Path = ROOT) -> str:
@@ -151,7 +178,8 @@ def make_copy(entry: dict | None) -> Path:
 def env_for(copy: Path) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(copy) + os.pathsep + env.get("PYTHONPATH", "")
-    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    # cached bytecode: each guard run's processes import TRL, which a fresh uv venv (nox) would compile anew
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     return env
 
 

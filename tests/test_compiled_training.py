@@ -241,7 +241,7 @@ def test_gpu_compiled_layers_under_bf16_autocast_are_as_close_to_fp32_as_eager_b
 def test_ddp_run_with_compiled_layers_trains_like_stock_and_keeps_the_ranks_in_sync():
     from tests.launch import describe, run_ranks
 
-    results = run_ranks("tests.dist_trl", "compiled", world_size=2, deadline=400)
+    results = run_ranks("tests.workers.dist_trl", "compiled", world_size=2, deadline=400)
     assert all(r.returncode == 0 for r in results), describe(results)
     for r in results:
         stock, compiled = r.data["stock"], r.data["compiled"]

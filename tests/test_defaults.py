@@ -105,9 +105,25 @@ def test_memory_settings_for_this_machine(tmp_path):
     cfg = build(tmp_path)
     assert cfg.gradient_checkpointing is True
     assert cfg.gradient_checkpointing_kwargs == {"use_reentrant": False}
-    assert cfg.ddp_find_unused_parameters is False  # PEFT + checkpointing + DDP (TRL 0.23 / 0.26)
+    assert cfg.ddp_find_unused_parameters is False  # PEFT + checkpointing + DDP (fails on TRL 0.23 / 0.26 otherwise)
+    assert build(tmp_path, gradient_checkpointing=False).ddp_find_unused_parameters is False  # no graph walk either
+    assert build(tmp_path, ddp_find_unused_parameters=True).ddp_find_unused_parameters is True  # the caller's choice
     assert cfg.bf16 is bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
     assert build(tmp_path, bf16=True, use_cpu=True).bf16 is True  # an explicit choice is kept
+
+
+def test_bf16_follows_the_launchers_mixed_precision_under_deepspeed(tmp_path, monkeypatch):
+    # accelerate launch --config_file zero2.yaml: DeepSpeed's bf16 comes from mixed_precision, and
+    # Trainer refuses a bf16 that differs from it ("ds bf16.enabled=True vs hf bf16 ...").
+    # (a field-only GRPOConfig: the real one would import deepspeed under ACCELERATE_USE_DEEPSPEED)
+    monkeypatch.setitem(sys.modules, "trl", types.SimpleNamespace(GRPOConfig=NewGRPOConfig, __version__="1.16.0"))
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    assert build(tmp_path).bf16 is True
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
+    assert build(tmp_path).bf16 is False
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "false")  # DDP without mixed precision: what the device can do
+    assert build(tmp_path).bf16 is bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
 
 
 def test_peft_with_zero3_gets_reentrant_checkpointing(tmp_path, monkeypatch):
@@ -136,10 +152,29 @@ def test_missing_fields_are_named_in_a_warning_not_faked(tmp_path):
     messages = [str(w.message) for w in caught if issubclass(w.category, DefaultsWarning)]
     assert len(messages) == 1 and "reward_baseline=0.5" in messages[0]
     assert not hasattr(cfg, "reward_baseline")
-    if "max_prompt_length" not in GRPO_FIELDS:
-        assert "max_prompt_length=256" in messages[0]
-    if "entropy_coef" not in GRPO_FIELDS:
-        assert "entropy_coef=0.01" in messages[0]
+    assert "max_prompt_length" not in messages[0] and "entropy_coef" not in messages[0]  # pinned, not the caller's
+
+
+def test_the_pinned_defaults_fit_the_installed_release_without_a_warning(tmp_path):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        grpo_config(str(tmp_path / "o"))
+    assert [str(w.message) for w in caught if issubclass(w.category, DefaultsWarning)] == []
+
+
+def test_a_field_the_caller_set_that_the_release_lacks_is_named(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "trl", types.SimpleNamespace(GRPOConfig=NewGRPOConfig, __version__="1.16.0"))
+    for chosen in ({"max_prompt_length": 128}, {"max_length": 1024}):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            cfg = grpo_config(str(tmp_path), **chosen)
+        messages = " ".join(str(w.message) for w in caught if issubclass(w.category, DefaultsWarning))
+        assert "max_prompt_length=" in messages and "TRL 1.16.0 has no field" in messages, chosen
+        assert cfg.max_prompt_length is None  # not passed
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        grpo_config(str(tmp_path))
+    assert not [w for w in caught if issubclass(w.category, DefaultsWarning)]
 
 
 @dataclasses.dataclass
@@ -168,6 +203,16 @@ class OldGRPOConfig:
     max_completion_length: int = 256
 
 
+@dataclasses.dataclass
+class NewGRPOConfig(OldGRPOConfig):
+    """The GRPOConfig fields of a TRL 0.28+ release that matter here: no max_prompt_length."""
+
+    steps_per_generation: int = 4  # TRL sets it to gradient_accumulation_steps
+    top_p: float = 1.0
+    entropy_coef: float = 0.0
+    max_prompt_length: None = dataclasses.field(default=None, init=False)
+
+
 def test_fields_are_mapped_onto_the_installed_release(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "trl", types.SimpleNamespace(GRPOConfig=OldGRPOConfig, __version__="0.15.2"))
     with warnings.catch_warnings(record=True) as caught:
@@ -178,7 +223,9 @@ def test_fields_are_mapped_onto_the_installed_release(tmp_path, monkeypatch):
     assert (cfg.num_generations, cfg.max_prompt_length, cfg.max_completion_length) == (4, 256, 256)
     assert cfg.per_device_train_batch_size == 4  # a batch of 1 cannot hold a group without steps_per_generation
     assert "per_device_train_batch_size=4 instead of 1" in messages
-    assert "top_p=0.9" in messages and "entropy_coef=0.01" in messages and "TRL 0.15.2" in messages
+    assert "TRL 0.15.2" in messages
+    assert "top_p" not in messages and "entropy_coef" not in messages  # pinned defaults it lacks: left out silently
+    assert not hasattr(cfg, "top_p") and not hasattr(cfg, "entropy_coef")
     with pytest.raises(TypeError, match="steps_per_generation"):
         grpo_config(str(tmp_path), steps_per_generation=4)
 

@@ -1,5 +1,5 @@
 """The vendored trainer on 2 real processes (gloo): first the faults of the unpatched, naive trainer,
-then the patched one keeping I1-I6 on the same configs (worker: tests/dist_dsm.py)."""
+then the patched one keeping I1-I6 on the same configs (worker: tests/workers/dist_dsm.py)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def whole_groups(rows: list[int]) -> bool:
 
 @pytest.fixture(scope="module")
 def shape_run():
-    results = run_ranks("tests.dist_dsm", "shape", world_size=2, deadline=300)
+    results = run_ranks("tests.workers.dist_dsm", "shape", world_size=2, deadline=300)
     assert all(r.returncode == 0 for r in results), describe(results)
     return [r.data for r in results]
 
@@ -98,7 +98,7 @@ def test_patched_sampler_uses_every_row_equally_and_the_unpatched_drops_rows(sha
 
 
 def test_unpatched_reward_error_on_rank1_leaves_rank0_without_the_cause():
-    results = run_ranks("tests.dist_dsm", "naive_fault", world_size=2, deadline=90)
+    results = run_ranks("tests.workers.dist_dsm", "naive_fault", world_size=2, deadline=90)
     r0, r1 = results
     assert "KeyError: 'injected failure in flaky_reward'" in r1.data.get("error", ""), describe(results)
     # rank 0 either hangs in the all-gather or dies with gloo's "Connection ... by peer"
@@ -109,7 +109,7 @@ def test_unpatched_reward_error_on_rank1_leaves_rank0_without_the_cause():
 # rank's completions) fails, and finally hangs in a reward function.
 @pytest.mark.parametrize("placement,bad_rank,last", [("local", 1, "die"), ("main", 0, "hang")])
 def test_patched_reward_faults_fail_every_rank_with_the_cause(placement, bad_rank, last):
-    results = run_ranks("tests.dist_dsm", "faults", placement, last, world_size=2, deadline=180)
+    results = run_ranks("tests.workers.dist_dsm", "faults", placement, last, world_size=2, deadline=180)
     assert not any(r.hung for r in results), describe(results)
     expected = {
         "raise": "KeyError: 'injected failure in flaky_reward'",
@@ -138,7 +138,7 @@ def test_patched_reward_faults_fail_every_rank_with_the_cause(placement, bad_ran
 
 
 def test_patched_trainer_learns_the_demo_task_on_two_ranks():
-    results = run_ranks("tests.dist_dsm", "learn", "15", world_size=2, deadline=240)
+    results = run_ranks("tests.workers.dist_dsm", "learn", "15", world_size=2, deadline=240)
     assert all(r.returncode == 0 for r in results), describe(results)
     history = results[0].data["history"]
     assert results[1].data["history"] == history, "every rank logs the same all-gathered reward mean"

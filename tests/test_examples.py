@@ -1,9 +1,12 @@
-"""examples/train_grpo_lora.py launched through the accelerate configs that run on CPU (DDP and
-FSDP2 over gloo, 2 processes), 2 steps each with the kit applied, then a resume from the checkpoint.
+"""The examples as a user runs them: examples/train_grpo_lora.py through ``accelerate launch
+--config_file`` with each shipped config that runs on CPU (DDP and FSDP2 over gloo, 2 processes),
+2 steps each with the kit applied, then a resume from the checkpoint; examples/demo.py with and
+without the kit.
 
 The configs in examples/accelerate/ are written for GPUs; the CPU copy changes only ``use_cpu: true``
-and ``mixed_precision: "no"`` (``accelerate launch --cpu`` would start one process).
-ZeRO-2/3 need DeepSpeed: tests/test_deepspeed.py runs the kit under them (``nox -s layouts``).
+and ``mixed_precision: "no"`` (``accelerate launch --cpu`` would start one process). ZeRO-2/3 need
+DeepSpeed: tests/test_deepspeed.py launches the example with them (``nox -s layouts``). multinode.yaml
+needs two hosts: only its parsing is checked here.
 """
 
 from __future__ import annotations
@@ -53,6 +56,9 @@ def test_example_runs_under_the_cpu_configs(name, tmp_path):
     assert "no LoRA Linear layer" not in log, "lean_lora must find the policy's LoRA layers (its warning otherwise)"
     assert "world_size=2" in log  # the preflight ran, on the launched world
     assert "done, 2 steps" in log
+    # the kit's defaults fit the installed TRL and DDP without a word: no field warning, no unused-parameter search
+    assert "has no field for" not in log and "find_unused_parameters=True" not in log, log[-4000:]
+    assert "S9" not in log and "0.00 GiB" not in log  # preflight in plain words, in units that show the tiny model
     assert (out / "checkpoint-2").is_dir() and (out / "final" / "adapter_config.json").is_file()
     assert list((out / "runs").rglob("events.out.tfevents.*"))  # report_to tensorboard
     if name == "ddp":  # resume: one more step from checkpoint-2
@@ -70,3 +76,33 @@ def test_preflight_stops_the_example_before_loading_weights(tmp_path):
     assert done.returncode == 1, done.stderr[-3000:]
     assert "ERROR: grpo_patches.preflight: rank 0 needs" in done.stdout
     assert not (tmp_path / "o" / "runs").exists()  # no trainer was built
+
+
+@pytest.mark.parametrize("name", ["ddp", "fsdp2", "zero2", "zero3", "multinode"])
+def test_every_shipped_config_is_one_accelerate_reads(name):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    config = load_config_from_file(str(ROOT / "examples" / "accelerate" / f"{name}.yaml"))
+    assert config.use_cpu is False and config.mixed_precision == "bf16"  # GPU-ready as shipped
+    assert config.num_processes >= 2
+
+
+def test_demo_shows_stock_splitting_groups_and_the_kit_keeping_them_whole(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    logs = {}
+    for run in ("--unpatched", None):
+        cmd = [sys.executable, str(ROOT / "examples" / "demo.py"), "--steps", "4", "--out", str(tmp_path)]
+        done = subprocess.run(cmd + ([run] if run else []), cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=300)
+        logs[run] = done.stdout + done.stderr
+        assert done.returncode == 0, logs[run][-4000:]
+        assert "find_unused_parameters=True" not in logs[run]
+    stock, kit = logs["--unpatched"], logs[None]
+    assert "4 groups of 8 generated, 4 split across ranks -> stock TRL splits groups" in stock, stock[-3000:]
+    assert "the kit refuses the demo's settings" in kit and "Nearest valid settings" in kit
+    assert "0 split across ranks -> OK" in kit, kit[-3000:]
+    import json
+
+    assert {json.loads((tmp_path / f"history-{r}.json").read_text())["split"] for r in ("patched", "unpatched")} \
+        == {0, 4}
+    assert (tmp_path / "reward_curve.png").stat().st_size > 0

@@ -23,13 +23,13 @@ import torch
 from grpo_patches.preflight import count_parameters, preflight
 from grpo_patches.preflight.layout import DeepSpeedSettings, Layout
 from tests.launch import describe, run_ranks
-from tests.layouts_worker import CONFIG
+from tests.workers.layouts_worker import CONFIG
 
 NEEDS = {name: importlib.util.find_spec(name) is None for name in ("deepspeed", "bitsandbytes")}
 
 
 def _ranks(mode: str) -> list[dict]:
-    results = run_ranks("tests.layouts_worker", mode, world_size=2, deadline=420)
+    results = run_ranks("tests.workers.layouts_worker", mode, world_size=2, deadline=420)
     assert all(r.returncode == 0 for r in results), describe(results)
     return [r.data for r in results]
 

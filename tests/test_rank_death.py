@@ -2,7 +2,7 @@
 the documented bound, naming the rank that vanished (grpo_patches/liveness.py).
 
 Ranks are started by hand (tests/launch.py), so each survivor shows what it does on its own. The
-victim's reward function kills (or freezes) its own process at step 2 (tests/dist_rank_death.py).
+victim's reward function kills (or freezes) its own process at step 2 (tests/workers/dist_rank_death.py).
 Upstream first: stock TRL 1.16's survivor dies with gloo's "Connection closed by peer [addr]:port",
 which names no rank; with a frozen peer (no connection error, as under NCCL or with a dead host)
 it waits in the collective for as long as the peer is frozen (the group's timeout is 30 minutes).
@@ -26,7 +26,7 @@ SLACK = 5.0  # process exit, the launcher's polling, a loaded machine
 def launch(label, kind, victim, **env):
     env = {PEER_TIMEOUT_ENV: str(BOUND), **{k: str(v) for k, v in env.items()}}
     start = time.time()
-    results = run_ranks("tests.dist_rank_death", label, kind, str(victim), world_size=2, deadline=180, env=env)
+    results = run_ranks("tests.workers.dist_rank_death", label, kind, str(victim), world_size=2, deadline=180, env=env)
     survivor = results[1 - victim]
     assert not survivor.hung, describe(results)
     down = [line for line in results[victim].output.splitlines() if line.startswith("VICTIM_DOWN ")]

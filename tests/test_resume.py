@@ -1,7 +1,7 @@
 """I2 across a checkpoint: a real ``trainer.train(resume_from_checkpoint=...)`` on 2 ranks uses, for the
 rest of the epoch, exactly the rows the uninterrupted run used.
 
-Config (tests/dist_resume.py): 18 rows, 4 prompts per step (2 ranks x 4 completions, num_generations=2),
+Config (tests/workers/dist_resume.py): 18 rows, 4 prompts per step (2 ranks x 4 completions, num_generations=2),
 so 4 steps per epoch, 2 epochs; checkpoint at step 6 (epoch 1, 2nd step); the resumed trainer runs
 steps 7-8. Each rank records the ``row`` column its reward function sees at each step (one call per
 step). Upstream first: resumed in epoch 1, stock TRL replays epoch 0's rows at the same offset (its
@@ -28,7 +28,7 @@ STEPS_PER_EPOCH, RESUME_AT, N_ROWS = 4, 6, 18
 
 
 def launch(label):
-    results = run_ranks("tests.dist_resume", label, world_size=2, deadline=300)
+    results = run_ranks("tests.workers.dist_resume", label, world_size=2, deadline=300)
     assert all(r.returncode == 0 for r in results), describe(results)
     for r in results:
         assert r.data["full_steps"] == len(r.data["full"]), describe(results)  # one reward call per step

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.distributed
 @pytest.mark.parametrize("world_size", world_sizes(2, 4))
 @pytest.mark.parametrize("placement,chunk", [("main", 2), ("main", 4), ("main", 0), ("local", 2)])
 def test_each_rank_gets_exactly_its_own_rewards(world_size, placement, chunk):
-    results = run_ranks("tests.dist_core", "scatter", placement, str(chunk), world_size=world_size, deadline=90)
+    results = run_ranks("tests.workers.dist_core", "scatter", placement, str(chunk), world_size=world_size, deadline=90)
     assert all(r.returncode == 0 for r in results), describe(results)
     for r in results:
         d = r.data
@@ -49,7 +49,7 @@ FAULTS = [
 
 @pytest.mark.parametrize("kind,bad_rank,placement,message", FAULTS)
 def test_a_fault_on_any_rank_fails_every_rank_fast(kind, bad_rank, placement, message):
-    results = run_ranks("tests.dist_core", "fault", kind, str(bad_rank), placement, world_size=2, deadline=60)
+    results = run_ranks("tests.workers.dist_core", "fault", kind, str(bad_rank), placement, world_size=2, deadline=60)
     assert not any(r.hung for r in results), describe(results)
     for r in results:
         assert r.returncode == 3, describe(results)

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.distributed
 
 @pytest.mark.parametrize("placement", ["main"])  # advantages under both placements: tests/matrix (I3)
 def test_patched_advantages_equal_stock(placement):
-    results = run_ranks("tests.dist_trl", "equivalence", placement, world_size=2, deadline=300)
+    results = run_ranks("tests.workers.dist_trl", "equivalence", placement, world_size=2, deadline=300)
     assert all(r.returncode == 0 for r in results), describe(results)
     for r in results:
         assert len(r.data["results"]) == 4

@@ -18,7 +18,7 @@ from tests.launch import describe, run_ranks
 
 pytestmark = pytest.mark.distributed
 
-TIMEOUT = 5.0  # reward_timeout in tests/dist_trl.py
+TIMEOUT = 5.0  # reward_timeout in tests/workers/dist_trl.py
 GRACE = 5.0  # grpo_patches.watchdog.HARD_STOP_GRACE
 SLACK = 6.0  # process start and exit, a loaded 2-core machine
 
@@ -35,7 +35,7 @@ MESSAGES = {"raise": ["ZeroDivisionError: injected in flaky_reward"],
 @pytest.mark.parametrize("kinds,bad_rank,placement", WORLDS)
 def test_reward_faults_fail_every_rank(kinds, bad_rank, placement):
     launched = time.time()
-    results = run_ranks("tests.dist_trl", "faults", kinds, str(bad_rank), placement, world_size=2, deadline=240)
+    results = run_ranks("tests.workers.dist_trl", "faults", kinds, str(bad_rank), placement, world_size=2, deadline=240)
     assert not any(r.hung for r in results), describe(results)
     for kind in kinds.split(","):
         for r in results:

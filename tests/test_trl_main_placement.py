@@ -17,7 +17,7 @@ pytestmark = pytest.mark.distributed
 
 @pytest.mark.parametrize("world_size", world_sizes(4))  # 2 ranks: tests/matrix (I4)
 def test_main_placement_scores_on_rank0_and_returns_each_ranks_rows(world_size):
-    results = run_ranks("tests.dist_trl", "main", world_size=world_size, deadline=400)
+    results = run_ranks("tests.workers.dist_trl", "main", world_size=world_size, deadline=400)
     assert all(r.returncode == 0 for r in results), describe(results)
     r0, others = results[0], results[1:]
     assert r0.data["holds_model"] and not any(r.data["holds_model"] for r in others)

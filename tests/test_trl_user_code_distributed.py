@@ -1,4 +1,4 @@
-"""Issue-12 behaviour on 2 ranks over gloo, each case stock first, then patched (tests/dist_user_code.py)."""
+"""Issue-12 behaviour on 2 ranks over gloo, each case stock first, then patched (tests/workers/dist_user_code.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ pytestmark = pytest.mark.distributed
 def test_trl_accuracy_reward_scores_like_stock_with_its_timeout_active(placement):
     """math_verify's SIGALRM timeouts need the main thread: the sample that trips them is scored
     0.0 after 5 s, as stock scores it, instead of running unbounded into reward_timeout."""
-    results = run_ranks("tests.dist_user_code", "accuracy", placement, world_size=2, deadline=240)
+    results = run_ranks("tests.workers.dist_user_code", "accuracy", placement, world_size=2, deadline=240)
     assert all(r.returncode == 0 for r in results), describe(results)
     expected = {0: [1.0, 0.0, 0.0, 0.0], 1: [1.0, 1.0, 1.0, 0.0]}
     for r in results:
@@ -25,7 +25,7 @@ def test_trl_accuracy_reward_scores_like_stock_with_its_timeout_active(placement
 
 
 def test_main_placement_refuses_a_rank_batch_that_is_not_whole_groups():
-    results = run_ranks("tests.dist_user_code", "partial_groups", world_size=2, deadline=120)
+    results = run_ranks("tests.workers.dist_user_code", "partial_groups", world_size=2, deadline=120)
     assert all(r.returncode == 0 for r in results), describe(results)
     for r in results:
         assert r.data["stock"] == {"rows": 6, "calls": [3]}  # stock scores the split groups silently
@@ -35,7 +35,7 @@ def test_main_placement_refuses_a_rank_batch_that_is_not_whole_groups():
 
 
 def test_eval_shape_is_enforced_however_the_eval_set_arrives():
-    results = run_ranks("tests.dist_user_code", "eval", world_size=2, deadline=240)
+    results = run_ranks("tests.workers.dist_user_code", "eval", world_size=2, deadline=240)
     assert all(r.returncode == 0 for r in results), describe(results)
     r0, r1 = results[0].data, results[1].data
     # stock: every eval group of 4 is split 2 + 2 over the ranks
@@ -49,7 +49,7 @@ def test_eval_shape_is_enforced_however_the_eval_set_arrives():
 
 
 def test_side_group_survives_a_new_default_group():
-    results = run_ranks("tests.dist_user_code", "reinit", str(free_port()), world_size=2, deadline=60)
+    results = run_ranks("tests.workers.dist_user_code", "reinit", str(free_port()), world_size=2, deadline=60)
     assert all(r.returncode == 0 for r in results), describe(results)
     assert results[0].data["first"] == [0, 1]
     assert results[0].data.get("second") == [0, 10], results[0].data

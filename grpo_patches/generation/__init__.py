@@ -30,7 +30,14 @@ optimizer updates at the same addresses), so an optimizer step never leaves stal
 from __future__ import annotations
 
 from .cache import StaticCachePool
-from .config import DECODE_LOOPS, FAST_GEN_ATTR, FastGenerationConfig, cache_length, compile_decision
+from .config import (
+    DECODE_LOOPS,
+    FAST_GEN_ATTR,
+    FastGenerationConfig,
+    cache_length,
+    compile_decision,
+    split_devices,
+)
 from .config import _warned as _warned  # the set tests clear: the same object warn_once fills
 from .decode import GRAPH_STATS, GraphDecodeStats, graph_decode_support
 from .fast import _MERGED as _MERGED  # fast_generate's per-model state, inspected by tests
@@ -52,6 +59,7 @@ __all__ = [
     "build_generation_config",
     "cache_length",
     "compile_decision",
+    "split_devices",
     "fast_generate",
     "graph_decode_support",
     "hidden_require_grad_hooks",

@@ -5,13 +5,13 @@ from __future__ import annotations
 import difflib
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 
-__all__ = ["DECODE_LOOPS", "FAST_GEN_ATTR", "FastGenerationConfig", "cache_length", "compile_decision"]
+__all__ = ["DECODE_LOOPS", "FAST_GEN_ATTR", "FastGenerationConfig", "cache_length", "compile_decision", "split_devices"]
 
 FAST_GEN_ATTR = "_grpo_patches_fast_generation"
 COMPILE_DEVICES = ("cuda", "xpu")
@@ -156,14 +156,28 @@ def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+def split_devices(model: Any) -> list[str]:
+    """The devices a layer-split policy (``device_map`` over several devices: ``hf_device_map`` on the
+    model or a wrapped submodule) spans; [] when it lives on one."""
+    for module in model.modules() if hasattr(model, "modules") else ():
+        devices = {str(d) for d in (getattr(module, "hf_device_map", None) or {}).values()}
+        if len(devices) > 1:
+            return sorted(devices)
+    return []
+
+
 def compile_decision(device: torch.device | str, config: FastGenerationConfig, *,
-                     sharded: str | None = None) -> tuple[bool, str]:
-    """Whether decoding is compiled on ``device``, and why not when it is not."""
+                     sharded: str | None = None, split: Sequence[str] = ()) -> tuple[bool, str]:
+    """Whether decoding is compiled on ``device``, and why not when it is not. ``split``: the devices
+    of a layer-split policy (:func:`split_devices`)."""
     device = torch.device(device)
     if not config.compile:
         return False, "compile=False"
     if sharded is not None:
         return False, f"{sharded} gathers parameters for every generation call"
+    if len(split) > 1:
+        return False, (f"the policy is split over {', '.join(split)} (device_map): the compiled static-cache "
+                       "decode needs the whole model on one device")
     if not hasattr(torch, "compile"):
         return False, "this torch has no torch.compile"
     try:

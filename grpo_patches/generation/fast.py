@@ -16,7 +16,14 @@ import torch
 from torch import nn
 
 from .cache import StaticCachePool
-from .config import FastGenerationConfig, cache_length, compile_config, compile_decision, warn_once
+from .config import (
+    FastGenerationConfig,
+    cache_length,
+    compile_config,
+    compile_decision,
+    split_devices,
+    warn_once,
+)
 from .decode import GRAPH_STATS, GraphDecodeStats, call_generate
 from .merged import MergedLoRAWeights
 from .modes import SampledLogprobs, hidden_require_grad_hooks, left_pad, sampling_mode
@@ -126,7 +133,8 @@ def fast_call(state: FastGenerationState, model: nn.Module, base: Any, *, device
     """
     config = state.config
     if state.compiled is None:
-        state.compiled, state.reason = compile_decision(device, config, sharded=sharded)
+        state.compiled, state.reason = compile_decision(device, config, sharded=sharded,
+                                                        split=split_devices(model))
     if not state.compiled:
         warn_once(f"eager:{state.reason}",
                   f"grpo_patches fast_generation: decoding runs eagerly ({state.reason}){eager_note}.")

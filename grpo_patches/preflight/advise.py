@@ -1,4 +1,5 @@
-"""Advise: what to change when a run does not fit, and the article's advice (S4 share, S8 headroom, S9).
+"""Advise: what to change when a run does not fit, and advice on a run that fits (trainable share,
+memory headroom, when GRPO + LoRA on several GPUs is not worth it).
 
 The fifth stage of the pipeline (see :mod:`grpo_patches.preflight`): it reads the estimates and
 re-estimates the run with one setting changed to show what each fix would need.
@@ -17,15 +18,15 @@ from grpo_patches.preflight.settings import RewardModelSpec, RunSettings
 
 __all__ = ["article_advice", "check_fit", "check_shapes", "no_fit_message", "share_advice"]
 
-#: The article's trainable-share band (S4: 0.1-0.5%) holds for a 70B model, where the pinned LoRA
+#: The advised trainable-share band (0.1-0.5%) holds for a 70B model, where the pinned LoRA
 #: gives 0.2927% (counted on the meta device for the Llama-3.1-70B config). For other sizes the band
 #: is scaled by the share the pinned LoRA gives on that architecture (0.52% at 8B, 1.2% at 1.5B).
 _ARTICLE_SHARE_BAND = (0.001, 0.005)
 _ARTICLE_SHARE_REFERENCE = 0.002927
-_LARGE_MODEL_PARAMS = 65e9  # S9's "70B+": Llama 65B / 70B class
+_LARGE_MODEL_PARAMS = 65e9  # "70B+": Llama 65B / 70B class
 _MIN_TOTAL_VRAM_GB = 40.0
 _MIN_DATASET_SIZE = 1000
-_MIN_FREE_GB = 2.0  # S8
+_MIN_FREE_GB = 2.0  # free memory per GPU kept for peaks the model does not see
 
 
 def share_advice(params: ParamCount, pinned: bool) -> list[str]:
@@ -37,7 +38,7 @@ def share_advice(params: ParamCount, pinned: bool) -> list[str]:
     hint = ("more weights than the adapter are trainable (modules_to_save, an unfrozen layer?) or r is too large"
             if share > high else "r is small or few modules are targeted")
     return [
-        f"trainable share {100 * share:.3f}% is outside {100 * low:.3f}-{100 * high:.3f}% (S4's 0.1-0.5% for 70B, "
+        f"trainable share {100 * share:.3f}% is outside {100 * low:.3f}-{100 * high:.3f}% (0.1-0.5% is advised for 70B, "
         f"scaled to this architecture, where the pinned r=16 on q/k/v/o/gate/up/down gives "
         f"{100 * params.reference_share:.3f}%): {hint}."
         + ("" if not pinned else " (pinned LoRA)")
@@ -107,7 +108,7 @@ def check_shapes(s: RunSettings) -> list[GroupShapeError]:
 
 def check_fit(arch: Arch, params: ParamCount, ranks: list[RankEstimate], s: RunSettings, common: dict[str, Any],
               lean_width: int, capacity: int | None) -> tuple[PreflightError | None, list[str]]:
-    """A :class:`PreflightError` naming the fixes when a rank does not fit; else S8's headroom advice."""
+    """A :class:`PreflightError` naming the fixes when a rank does not fit; else headroom advice."""
     over = [r for r in ranks if r.fits is False]
     if over:
         return PreflightError(no_fit_message(arch, params, over, s.checkpointing, common, lean_width)), []
@@ -115,8 +116,8 @@ def check_fit(arch: Arch, params: ParamCount, ranks: list[RankEstimate], s: RunS
         tight = [r.rank for r in ranks if r.headroom is not None and r.headroom < _MIN_FREE_GB * GiB]
         if tight:
             return None, [
-                f"ranks {tight} are predicted to keep under {_MIN_FREE_GB:g} GiB free (S8 keeps >= 2 GiB per GPU "
-                f"for peaks); lower per_device_train_batch_size or max_completion_length."
+                f"ranks {tight} are predicted to keep under {_MIN_FREE_GB:g} GiB free (keep >= 2 GiB per GPU "
+                f"for peaks the estimate does not see: fragmentation, other processes); lower per_device_train_batch_size or max_completion_length."
             ]
     return None, []
 
@@ -125,28 +126,28 @@ def article_advice(arch: Arch, params: ParamCount, s: RunSettings, layout: Layou
                    gpu_memory_gb: float | None, dataset_size: int | None, reward_specs: list[RewardModelSpec],
                    reward_functions: int, rewards: list[tuple[RewardModelSpec, Arch, int]],
                    fast_generation: Any) -> list[str]:
-    """S4's trainable share, S9's when-not-to, and what the model leaves out for this run."""
+    """Trainable share, when GRPO + LoRA is not worth it, and what the model leaves out for this run."""
     advice = share_advice(params, pinned_lora)
     total_vram = s.world_size * gpu_memory_gb if gpu_memory_gb is not None else None
     if params.total >= _LARGE_MODEL_PARAMS and total_vram is not None and total_vram < _MIN_TOTAL_VRAM_GB:
         advice.append(
             f"{params.total / 1e9:.0f}B parameters on {total_vram:g} GiB of VRAM in all (under {_MIN_TOTAL_VRAM_GB:g}): "
-            f"S9 says multi-GPU GRPO + LoRA is not worth it here; use more GPUs or a 4-bit single-GPU setup."
+            f"multi-GPU GRPO + LoRA is not worth it here; use more GPUs or a 4-bit single-GPU setup."
         )
     if dataset_size is not None and dataset_size < _MIN_DATASET_SIZE:
         advice.append(
-            f"dataset_size={dataset_size} is under {_MIN_DATASET_SIZE} examples: S9 says GRPO is not worth it on so "
-            f"little data; collect more prompts or use supervised fine-tuning."
+            f"dataset_size={dataset_size} is under {_MIN_DATASET_SIZE} prompts: GRPO learns little from so few; "
+            f"collect more prompts or use supervised fine-tuning."
         )
-    if not reward_specs:
-        what = f"only {reward_functions} rule-based reward function(s)" if reward_functions else "no reward model"
+    if not reward_specs and not reward_functions:
         advice.append(
-            f"{what}: S9 advises GRPO with a learned reward model of the policy's family; pass it in reward_models "
-            f"so its memory is counted."
+            "no reward model or function given: if the run scores with a reward model, pass it in reward_models "
+            "(doctor: --reward-model) so its memory is counted."
         )
-    elif arch.model_type and not any(a.model_type == arch.model_type for _, a, _ in rewards):
+    elif reward_specs and arch.model_type and not any(a.model_type == arch.model_type for _, a, _ in rewards):
         advice.append(
-            f"no reward model shares the policy's family ({arch.model_type}); S9 advises one of the same family."
+            f"no reward model shares the policy's family ({arch.model_type}); one of the same family (same "
+            f"tokenizer) scores the policy's text as it was written."
         )
     if fast_generation and layout.sharding != "ddp":
         advice.append(f"fast_generation under {layout.sharding}: the kit samples eagerly there (parameters are "

@@ -327,10 +327,14 @@ class RoundCost:
     host_bytes: float = 0.0  # host -> GPU copies of offloaded shards
     dequant_bytes: float = 0.0  # HBM traffic of bitsandbytes' dequantization
     recompute_flops: float = 0.0  # gradient checkpointing's second forward
+    idle_flops: float = 0.0  # a layer split's stages in turn: the arithmetic the other GPUs wait through
+    boundary_bytes: float = 0.0  # a layer split's hidden states (and their gradients) between GPUs
+    fixed_seconds: float = 0.0  # a layer split's per-hop latency
 
     def seconds(self, *, link_gbps: float, host_gbps: float, hbm_gbps: float, tflops: float) -> float:
-        return (self.gather_bytes / (link_gbps * 1e9) + self.host_bytes / (host_gbps * 1e9)
-                + self.dequant_bytes / (hbm_gbps * 1e9) + self.recompute_flops / (tflops * 1e12))
+        return ((self.gather_bytes + self.boundary_bytes) / (link_gbps * 1e9) + self.host_bytes / (host_gbps * 1e9)
+                + self.dequant_bytes / (hbm_gbps * 1e9) + (self.recompute_flops + self.idle_flops) / (tflops * 1e12)
+                + self.fixed_seconds)
 
 
 def layout_from_environment(environ: Any = None) -> dict[str, Any]:

@@ -80,8 +80,8 @@ def preflight(
 
     Errors (a group split across ranks, a predicted peak over ``gpu_memory_gb``) raise
     ``ValueError`` (:class:`GroupShapeError` / :class:`PreflightError`) with the fix when
-    ``raise_on_error``; otherwise they are in ``report.errors``. Advice (S4 trainable share, S8
-    headroom, S9) is issued as :class:`PreflightWarning` and kept in ``report.warnings``.
+    ``raise_on_error``; otherwise they are in ``report.errors``. Advice (trainable share, memory
+    headroom, data and rewards) is issued as :class:`PreflightWarning` and kept in ``report.warnings``.
     """
     # Arguments as a user may pass them (numpy scalars, "false" from a command line) mean what they say;
     # a bad one is refused here, with its name and what it may be.

@@ -4,7 +4,11 @@ The choices: sharding (ddp, zero2, fsdp2, zero3 with and without TRL's whole-mod
 generation) x base precision (the given dtype, int8, nf4 with double quantization) x CPU offload of
 the frozen base (fsdp2 / zero3) x gradient checkpointing x reward placement (when reward models are
 given; main placement is refused by the kit under DeepSpeed). Each is estimated by
-:func:`grpo_patches.preflight.preflight`, so the memory model is the one documented there.
+:func:`grpo_patches.preflight.preflight`, so the memory model is the one documented there. Beside
+them, layer splits (:mod:`grpo_patches.preflight.pipeline_split`): the decoder's layers over P GPUs of
+one process, alone or data parallel over ``world_size / P`` such pipelines, in each base precision,
+with and without checkpointing. Every entry names its launch: the script and the accelerate config
+in ``examples/`` that run it.
 
 Cost model (stated, not measured): the extra time per generation round (one generation batch and
 its ``steps_per_generation`` micro-batches) that a layout adds over a replicated bf16 base with
@@ -18,7 +22,7 @@ activations kept:
 - gradient checkpointing's second forward, ``2 x parameters x tokens`` FLOPs per micro-batch, at
   ``tflops``.
 
-Ranking: combinations that fit with S8's 2 GiB free on every GPU come first, then those that fit
+Ranking: combinations that fit with 2 GiB free on every GPU come first, then those that fit
 tighter; within each, cheapest first; at equal cost the simpler setup (ddp, fsdp2, zero2, zero3; no
 quantization) and then the smaller peak.
 
@@ -40,6 +44,7 @@ from typing import Any
 
 from grpo_patches.preflight.layout import Layout, RoundCost
 from grpo_patches.preflight.pipeline import preflight
+from grpo_patches.preflight.pipeline_split import SplitLayout, estimate_split, split_round_cost
 from grpo_patches.preflight.settings import check_setting_names, dtype_bytes, setting
 
 __all__ = ["KNOWN_FAILURES", "CostModel", "Plan", "PlanEntry", "plan"]
@@ -75,7 +80,7 @@ class CostModel:
 class PlanEntry:
     """One combination: its layout, checkpointing, reward placement, the preflight report and the cost."""
 
-    layout: Layout
+    layout: Layout | SplitLayout
     checkpointing: bool
     placement: str
     report: Any  # PreflightReport
@@ -90,7 +95,8 @@ class PlanEntry:
     @property
     def known_failure(self) -> str:
         """Why this layout does not run with stock TRL although it fits ("" if none is known)."""
-        return KNOWN_FAILURES.get((self.layout.sharding, self.layout.quantization, self.layout.offload_base), "")
+        return (KNOWN_FAILURES.get((self.layout.sharding, self.layout.quantization, self.layout.offload_base), "")
+                or getattr(self.layout, "refused", ""))
 
     @property
     def usable(self) -> bool:
@@ -106,15 +112,54 @@ class PlanEntry:
 
     @property
     def tight(self) -> bool:
-        """Fits, but some GPU keeps under S8's 2 GiB free."""
+        """Fits, but some GPU keeps under 2 GiB free."""
         return self.fits and min(r.headroom or 0 for r in self.report.ranks) < 2 * GiB
 
     def label(self) -> str:
         text = self.layout.label() + (" ckpt" if self.checkpointing else "")
         return text + (f" rewards={self.placement}" if self.placement != "local" else "")
 
+    @property
+    def launch(self) -> dict[str, str]:
+        """The example script and accelerate config (paths in the repository) that run this layout."""
+        if isinstance(self.layout, SplitLayout):
+            return self.layout.launch()
+        config = f"examples/accelerate/{self.layout.sharding}.yaml"
+        return {"script": "examples/train_grpo_lora.py", "config": config,
+                "command": f"accelerate launch --config_file {config} examples/train_grpo_lora.py"}
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON types (``grpo-patches doctor --plan --json``): the layout, whether and how it fits, its
+        cost per round, memory per GPU, what to set and the launch that runs it; the full report."""
+        c = self.cost
+        return {"label": self.label(), "sharding": self.layout.sharding, "quantization": self.layout.quantization,
+                "offload_base": self.layout.offload_base, "gradient_checkpointing": self.checkpointing,
+                "reward_placement": self.placement, "fits": self.fits, "tight": self.tight,
+                "known_failure": self.known_failure or None, "required": self.required,
+                "extra_seconds_per_round": round(self.seconds, 3),
+                "cost": {"gather_gb": c.gather_bytes / 1e9, "host_gb": c.host_bytes / 1e9,
+                         "dequant_gb": c.dequant_bytes / 1e9, "recompute_tflop": c.recompute_flops / 1e12,
+                         "idle_tflop": c.idle_flops / 1e12, "boundary_gb": c.boundary_bytes / 1e9,
+                         "fixed_seconds": c.fixed_seconds},
+                "needed_gib_per_gpu": [round(r.required / GiB, 3) for r in self.report.ranks],
+                "peak_gib_per_gpu": [round(r.peak / GiB, 3) for r in self.report.ranks],
+                "peak_phase": self.worst.peak_phase, "launch": self.launch, "settings": self.settings(),
+                "report": self.report.to_dict()}
+
     def settings(self) -> str:
         """What to set to run it: the accelerate config and the kit / TRL / transformers settings."""
+        if isinstance(self.layout, SplitLayout):
+            s = self.report.settings
+            out = [self.launch["command"],
+                   f"{s['gpus_per_process']} GPUs per process, layers per GPU {s['layers_per_stage']}",
+                   f"per_device_train_batch_size={s['per_device_train_batch_size']} (one share per GPU)"]
+            if self.layout.quantization == "nf4":
+                out.append(f"BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4', "
+                           f"bnb_4bit_use_double_quant={self.layout.double_quant})")
+            elif self.layout.quantization == "int8":
+                out.append("BitsAndBytesConfig(load_in_8bit=True)")
+            out.append(f"gradient_checkpointing={self.checkpointing}")
+            return "; ".join(out)
         out = {"ddp": ["examples/accelerate/ddp.yaml"], "zero2": ["examples/accelerate/zero2.yaml"],
                "fsdp2": ["examples/accelerate/fsdp2.yaml"], "zero3": ["examples/accelerate/zero3.yaml"]}[
             self.layout.sharding]
@@ -156,6 +201,15 @@ class Plan:
     def best(self) -> PlanEntry | None:
         return self.fitting[0] if self.fitting else None
 
+    def to_dict(self) -> dict[str, Any]:
+        """Every combination, fitting ones first, cheapest first (``grpo-patches doctor --plan --json``), the best
+        one in full, and why nothing fits when nothing does."""
+        best = self.best
+        return {"capacity_gib": (self.capacity or 0) / GiB, "cost_model": dataclasses.asdict(self.cost_model),
+                "combinations": len(self.entries), "best": best.to_dict() if best is not None else None,
+                "entries": [e.to_dict() for e in self.entries],
+                "shortfall": None if best is not None else self.shortfall()}
+
     def closest(self) -> PlanEntry:
         """The combination nearest to fitting: the smallest need over capacity."""
         return min(self.entries, key=lambda e: (not e.report.ok, e.required))
@@ -185,7 +239,8 @@ class Plan:
 
     def __str__(self) -> str:
         rows = [("#", "layout", "peak GiB (phase)", "needed/GPU", "fits", "extra s/round",
-                 "gather GB", "host GB", "dequant GB", "recompute TFLOP", "host RAM GiB/rank")]
+                 "gather GB", "host GB", "dequant GB", "recompute TFLOP", "idle TFLOP", "boundary GB",
+                 "host RAM GiB/rank")]
         shown = self.fitting + self.failing + [e for e in self.entries if not e.fits][:self.show_unfit]
         for i, e in enumerate(shown, 1):
             c = e.cost
@@ -194,6 +249,7 @@ class Plan:
                          "fails" if e.known_failure and e.fits else ("tight" if e.tight else "yes") if e.fits else "NO",
                          f"{e.seconds:.1f}", f"{c.gather_bytes / 1e9:.0f}", f"{c.host_bytes / 1e9:.0f}",
                          f"{c.dequant_bytes / 1e9:.0f}", f"{c.recompute_flops / 1e12:.0f}",
+                         f"{c.idle_flops / 1e12:.0f}", f"{c.boundary_bytes / 1e9:.1f}",
                          f"{e.report.settings['host_weights_gb']:.1f}"))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         table = ["  ".join(cell.ljust(w) if j == 1 else cell.rjust(w) for j, (cell, w) in
@@ -207,14 +263,17 @@ class Plan:
                 f"{cm.tflops:g} TFLOPS (grpo_patches/preflight/plan.py)"]
         if self.best is not None:
             b = self.best
-            head.append(f"cheapest that fits{' (under 2 GiB free: S8)' if b.tight else ''}: {b.label()} -> "
+            head.append(f"cheapest that fits{' (under 2 GiB free)' if b.tight else ''}: {b.label()} -> "
                         f"{b.settings()}")
             if b.layout.quantization:
                 head.append("  (a quantized base trains the adapter on a quantized model: QLoRA)")
+            if isinstance(b.layout, SplitLayout):
+                head.append("  per GPU of the pipeline: " + ", ".join(
+                    f"{r.required / GiB:.2f}" for r in b.report.ranks) + " GiB needed")
         else:
             head.append("nothing fits. " + self.shortfall())
         hidden = len(self.entries) - len(shown)
-        tail = [f"({hidden} more that do not fit are not shown; Plan.entries has them all)"] if hidden else []
+        tail = [f"({hidden} more that do not fit are not shown; --json lists them all)"] if hidden else []
         tail += sorted({f"fails: {e.label()}: {e.known_failure}" for e in self.failing})
         return "\n".join(head + table + tail)
 
@@ -228,6 +287,32 @@ def _layouts(world_size: int) -> list[Layout]:
             out.append(Layout(sharding=sharding, quantization=quant, offload_base=offload,
                               gather_for_generation=gather))
     return out
+
+
+def _split_entries(model_config: Any, base: dict[str, Any], *, world_size: int, gpu_memory_gb: float,
+                   reward_models: Sequence[Any], cost_model: CostModel, **preflight_kwargs: Any) -> list[PlanEntry]:
+    """The layer splits: P GPUs per process for every P >= 2 dividing the GPUs, x base precision x
+    checkpointing (rewards on each process's first GPU)."""
+    from grpo_patches.preflight.count import architecture
+    from grpo_patches.preflight.settings import load_model_config
+
+    arch = architecture(load_model_config(model_config))
+    entries = []
+    for stages in (p for p in range(2, world_size + 1) if world_size % p == 0 and p <= arch.layers):
+        for quant, ckpt in itertools.product((None, "int8", "nf4"), (False, True)):
+            layout = SplitLayout(stages, world_size // stages, quant)
+            settings = {**base, "gradient_checkpointing": ckpt}
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                report = estimate_split(model_config, layout, grpo_config=settings, gpu_memory_gb=gpu_memory_gb,
+                                        reward_models=reward_models, **preflight_kwargs)
+            s = report.settings
+            per_gpu = dict(s, per_device_train_batch_size=s["per_device_train_batch_size"] // stages,
+                           act=dtype_bytes(s["compute_dtype"]))
+            cost = split_round_cost(layout, report.params, arch.hidden, per_gpu,
+                                    beta=float(setting(settings, "beta", 0.0) or 0.0))
+            entries.append(PlanEntry(layout, ckpt, "local", report, cost, cost_model.seconds(cost)))
+    return entries
 
 
 def plan(model_config: Any, *, grpo_config: Any = None, world_size: int = 1, gpu_memory_gb: float,
@@ -268,11 +353,13 @@ def plan(model_config: Any, *, grpo_config: Any = None, world_size: int = 1, gpu
             tokens = batch * (s["prompt_length"] + completion)
             cost = dataclasses.replace(cost, recompute_flops=steps * 2 * report.params.total * tokens)
         entries.append(PlanEntry(layout, ckpt, placement, report, cost, cost_model.seconds(cost)))
-    # Fits that keep S8's 2 GiB free per GPU first (those known to fail after every other fit); then by
+    # Fits that keep 2 GiB free per GPU first (those known to fail after every other fit); then by
     # cost; at equal cost the simpler setup (no DeepSpeed, no quantization), then the smaller peak.
+    entries += _split_entries(model_config, base, world_size=world_size, gpu_memory_gb=gpu_memory_gb,
+                              reward_models=reward_models, cost_model=cost_model, **preflight_kwargs)
     entries.sort(key=lambda e: (not e.fits, bool(e.known_failure), e.tight,
                                 e.seconds if e.fits else e.required,
-                                ("ddp", "fsdp2", "zero2", "zero3").index(e.layout.sharding)
+                                ("ddp", "fsdp2", "zero2", "zero3", "pipeline").index(e.layout.sharding)
                                 + (e.layout.quantization is not None), e.required))
     capacity = int(gpu_memory_gb * GiB)
     return Plan(entries, capacity, cost_model)

@@ -13,6 +13,7 @@ import json
 import math
 import numbers
 import os
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -57,8 +58,27 @@ class RewardModelSpec:
 # ----------------------------------------------------------------------------------- inputs
 
 
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def hub_config_path(repo_id: str) -> Path:
+    """The local path of a Hub model's ``config.json``: fetched (or read from the Hub cache, also offline)
+    on its own, never the weights."""
+    from huggingface_hub import hf_hub_download
+
+    try:
+        return Path(hf_hub_download(repo_id, "config.json"))
+    except Exception as e:  # no network, no such repo, gated: one line naming the id and the cause
+        raise FileNotFoundError(
+            f"grpo_patches.preflight: could not get config.json of the Hub model {repo_id!r} "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'no detail'}); download it "
+            f"(huggingface-cli download {repo_id} config.json) or give a local config.json path."
+        ) from None
+
+
 def load_model_config(model_config: Any) -> Any:
-    """A transformers config from a config object, a dict, a config.json path / folder or a preset name."""
+    """A transformers config from a config object, a dict, a config.json path / folder, a Hub model id
+    (its config.json only) or a preset name."""
     import transformers
 
     if isinstance(model_config, transformers.PretrainedConfig):
@@ -69,10 +89,14 @@ def load_model_config(model_config: Any) -> Any:
         path = Path(model_config)
         if path.is_dir():
             path = path / "config.json"
+        if not path.is_file() and isinstance(model_config, str) and _HUB_ID.fullmatch(model_config) \
+                and not model_config.endswith(".json"):
+            path = hub_config_path(model_config)
         if not path.is_file():
             raise FileNotFoundError(
                 f"grpo_patches.preflight: no config at {str(model_config)!r}; give a config.json path, a folder "
-                f"holding one, a transformers config object, or a preset ({', '.join(PRESETS)})."
+                f"holding one, a Hub model id (owner/name), a transformers config object, or a preset "
+                f"({', '.join(PRESETS)})."
             )
         model_config = json.loads(path.read_text())
     if isinstance(model_config, Mapping):

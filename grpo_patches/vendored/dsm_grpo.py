@@ -138,8 +138,8 @@ class DSMGRPOTrainer:
         self.reward_tokenizers = list(reward_tokenizers or [tokenizer] * len(funcs))
         for func in funcs:
             if isinstance(func, nn.Module):
-                # NAIVE: every rank holds and runs its own copy of every reward model (the article's
-                # S5 anti-pattern is the opposite extreme: all of them on one extra GPU). Never
+                # NAIVE: every rank holds and runs its own copy of every reward model (the opposite
+                # extreme, all of them on one extra GPU, leaves that GPU idle most of the step). Never
                 # prepared for training, at least: it is only ever run under inference_mode.
                 func.to(accelerator.device).eval().requires_grad_(False)
         self.ref_model = ref_model

@@ -1,4 +1,4 @@
-"""Worker for multi-process tests through the real TRL GRPOTrainer: ``python -m tests.dist_trl OUTDIR SCENARIO``.
+"""Worker for multi-process tests through the real TRL GRPOTrainer: ``python -m tests.workers.dist_trl OUTDIR SCENARIO``.
 
 Each rank writes ``OUTDIR/rank<r>.json``; the pytest side (test_trl_*.py) asserts on them.
 """

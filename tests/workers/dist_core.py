@@ -1,4 +1,4 @@
-"""Worker for the core's multi-process tests (no TRL): ``python -m tests.dist_core OUTDIR SCENARIO ...``.
+"""Worker for the core's multi-process tests (no TRL): ``python -m tests.workers.dist_core OUTDIR SCENARIO ...``.
 
 Scenarios: ``scatter PLACEMENT CHUNK`` (unequal per-rank counts), ``fault KIND RANK PLACEMENT``
 with KIND in raise / wronglen / nan / sleep.

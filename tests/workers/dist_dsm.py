@@ -1,4 +1,4 @@
-"""Worker for the vendored trainer's multi-process tests: ``python -m tests.dist_dsm OUTDIR SCENARIO ...``.
+"""Worker for the vendored trainer's multi-process tests: ``python -m tests.workers.dist_dsm OUTDIR SCENARIO ...``.
 
 Each rank writes ``OUTDIR/rank<r>.json``; the pytest side (test_dsm_distributed.py) asserts on them.
 Scenarios: ``shape`` (split groups, reward model placement, advantages naive vs patched, coverage),

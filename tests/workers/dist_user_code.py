@@ -1,4 +1,4 @@
-"""Rank worker for the I7b / issue-12 multi-process tests: ``python -m tests.dist_user_code OUTDIR SCENARIO ...``.
+"""Rank worker for the I7b / issue-12 multi-process tests: ``python -m tests.workers.dist_user_code OUTDIR SCENARIO ...``.
 
 Scenarios: ``accuracy PLACEMENT`` (TRL's accuracy_reward, with a sample that trips math_verify's
 timeout), ``partial_groups`` (main placement handed a per-rank batch that is not whole groups),

@@ -1,4 +1,4 @@
-"""Worker for the resume test: ``python -m tests.dist_resume OUTDIR LABEL``, LABEL ``stock`` or ``patched``.
+"""Worker for the resume test: ``python -m tests.workers.dist_resume OUTDIR LABEL``, LABEL ``stock`` or ``patched``.
 
 Each rank trains a real GRPOTrainer for 2 epochs of 18 rows (4 prompts per step, 4 steps per epoch:
 8 steps), saving a checkpoint at step 6 (epoch 1, its 2nd step), and records the dataset ``row``

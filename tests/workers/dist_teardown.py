@@ -1,4 +1,4 @@
-"""Worker for the teardown tests (no TRL): ``python -m tests.dist_teardown OUTDIR SIDE ENDING``.
+"""Worker for the teardown tests (no TRL): ``python -m tests.workers.dist_teardown OUTDIR SIDE ENDING``.
 
 The rank does what a patched trainer does with torch.distributed, without the trainer: over the
 default gloo group a few collectives, and with SIDE=1 the kit's own pieces as well: the cached side

@@ -2,8 +2,8 @@
 when one rank has ended and the other has not within GRACE seconds, dump the live rank's stacks
 (Python, through faulthandler on SIGUSR1; C, through gdb) before killing it.
 
-    python -m tests.teardown_probe --runs 10 --stress 2 -- tests.dist_teardown 1 exit
-    python -m tests.teardown_probe --runs 3 --stress 2 -- tests.dist_trl coverage 16 2
+    python -m tests.workers.teardown_probe --runs 10 --stress 2 -- tests.workers.dist_teardown 1 exit
+    python -m tests.workers.teardown_probe --runs 3 --stress 2 -- tests.workers.dist_trl coverage 16 2
 
 Not collected by pytest; the findings are in README.md ("Teardown") and tests/test_teardown.py.
 """

@@ -1,4 +1,4 @@
-"""Worker for the rank-death tests: ``python -m tests.dist_rank_death OUTDIR LABEL KIND VICTIM``.
+"""Worker for the rank-death tests: ``python -m tests.workers.dist_rank_death OUTDIR LABEL KIND VICTIM``.
 
 LABEL: ``stock`` (unpatched TRL) or ``patched``. At the victim's 2nd reward call (step 2), KIND:
 

@@ -1,5 +1,5 @@
 """One rank of a TRL GRPO run under DeepSpeed (CPU accelerator, gloo) with the kit applied:
-``python -m tests.ds_worker OUTDIR STAGE PLACEMENT [model]``. Writes what each reward call held;
+``python -m tests.workers.ds_worker OUTDIR STAGE PLACEMENT [model]``. Writes what each reward call held;
 with ``model`` a tiny reward model is passed too (main placement then has to be refused)."""
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ quiet()
 import torch.distributed as dist  # noqa: E402
 
 import grpo_patches  # noqa: E402
-from tests.dist_trl import CALLS, build, recording_reward  # noqa: E402
 from tests.helpers import tiny_reward_model, tiny_tokenizer  # noqa: E402
+from tests.workers.dist_trl import CALLS, build, recording_reward  # noqa: E402
 
 RANK = int(os.environ.get("RANK", "0"))
 

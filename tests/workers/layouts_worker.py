@@ -1,7 +1,7 @@
 """One rank of the layout checks: FSDP2 (``fully_shard`` over gloo) or DeepSpeed ZeRO (CPU
 accelerator) on a small Llama with the pinned LoRA; writes the libraries' own byte counts per rank.
 
-    python -m tests.layouts_worker OUTDIR fsdp2|zero2|zero3
+    python -m tests.workers.layouts_worker OUTDIR fsdp2|zero2|zero3
 """
 
 from __future__ import annotations
