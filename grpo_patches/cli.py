@@ -74,12 +74,11 @@ def _add_doctor(sub: Any) -> None:
     p.add_argument("--deepspeed-config", type=Path, default=None,
                    help="DeepSpeed config JSON (ZeRO bucket / prefetch / persistence sizes; default: DeepSpeed's)")
     p.add_argument("--json", action="store_true",
-                   help="print the report as one JSON object (bytes as integers); with --plan, every combination")
+                   help="print the report as one JSON object (bytes as integers); with --plan, every combination "
+                   "with its launch, cost per round and memory per GPU")
     p.add_argument("--plan", action="store_true",
                    help="try every sharding x base precision x offload x checkpointing x reward placement, print those "
                    "that fit, cheapest first; exit 1 when none fits")
-    p.add_argument("--json", action="store_true",
-                   help="with --plan: print the plan as JSON (each layout's launch, cost and memory per GPU)")
     for name, default, what in (("link-gbps", 10.0, "GPU interconnect GB/s per GPU"),
                                 ("host-gbps", 10.0, "host->GPU GB/s per GPU"),
                                 ("hbm-gbps", 900.0, "GPU memory GB/s"), ("tflops", 70.0, "GPU bf16 TFLOPS")):
