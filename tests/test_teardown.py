@@ -2,7 +2,7 @@
 and its liveness thread all let a process end, whichever way it ends and in whichever order the ranks
 end (tests/workers/dist_teardown.py; no TRL, so a run takes seconds).
 
-What this does not cover, and why (README, "Teardown"): a 2-rank TRL coverage run was once seen with
+What this does not cover, and why (docs/faults.md, "Teardown"): a 2-rank TRL coverage run was once seen with
 rank 0 stuck in ``barrier()`` / ``destroy_process_group()`` after ``train()`` returned, on a heavily
 loaded machine. It did not come back in repeated runs under two extra busy-loop processes on the 2
 cores, with TRL or without, with the kit's pieces or without (tests/workers/teardown_probe.py dumps the

@@ -5,7 +5,7 @@ when one rank has ended and the other has not within GRACE seconds, dump the liv
     python -m tests.workers.teardown_probe --runs 10 --stress 2 -- tests.workers.dist_teardown 1 exit
     python -m tests.workers.teardown_probe --runs 3 --stress 2 -- tests.workers.dist_trl coverage 16 2
 
-Not collected by pytest; the findings are in README.md ("Teardown") and tests/test_teardown.py.
+Not collected by pytest; the findings are in docs/faults.md ("Teardown") and tests/test_teardown.py.
 """
 
 from __future__ import annotations
