@@ -26,7 +26,7 @@ with a random (nonzero) B, batch 8, 256 new tokens (every row runs to the end: m
 Prints a markdown table and writes JSON to ``--out``.
 
     python benchmarks/bench_generation.py --policy 0.5b,1.5b --out benchmarks/results/generation.json
-    python benchmarks/bench_generation.py --policy 1.5b --paths eager,graph_unmerged,graph --repeats 1   # issue 16
+    python benchmarks/bench_generation.py --policy 1.5b --paths eager,graph_unmerged,graph --repeats 1   # the merged buffer's gain
     python benchmarks/bench_generation.py --trl-step --policy 1.5b --out benchmarks/results/generation_trl.json
     python benchmarks/bench_generation.py --trl-step --decode-loop transformers,graph --policy 1.5b
     python benchmarks/bench_generation.py --dropout --policy 1.5b --repeats 2 --out benchmarks/results/dropout.json
