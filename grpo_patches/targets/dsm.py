@@ -29,6 +29,7 @@ from packaging.specifiers import SpecifierSet
 from torch import nn
 
 from .. import options as _options
+from ..collectives import setup_agreed
 from ..generation import FAST_GEN_ATTR, FastGenerationState, fast_generate
 from ..grouping import GroupShapeError, RankLocalGroupSampler, check_group_shape, nearest_valid_settings
 from ..rewards import RewardBatch, Scored, compute_rewards, reward_column, validate_chunk_size
@@ -63,6 +64,12 @@ def wrap_init(wrapped, instance, args, kwargs):
     opts = _options.active()
     if opts is None:
         return wrapped(*args, **kwargs)
+    with setup_agreed(f"building {type(instance).__name__}"):  # a failure reaches every rank, with its cause
+        _build(opts, wrapped, instance, args, kwargs)
+    attach(instance, opts)
+
+
+def _build(opts, wrapped, instance, args, kwargs) -> None:
     from ..vendored.dsm_grpo import DSMGRPOConfig, DSMGRPOTrainer
 
     bound = inspect.signature(wrapped).bind(*args, **kwargs)
@@ -81,7 +88,6 @@ def wrap_init(wrapped, instance, args, kwargs):
     wrapped(*bound.args, **bound.kwargs)
     if opts.reward_placement == "main":  # every rank names the functions as the main process does
         instance.reward_func_names = DSMGRPOTrainer.reward_names(funcs)
-    attach(instance, opts)
 
 
 def wrap_create_groups(wrapped, instance, args, kwargs):

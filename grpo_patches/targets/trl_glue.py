@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..collectives import setup_agreed
 from ..grouping import RankLocalGroupSampler, check_group_shape, epoch_of_state
 from ..liveness import watching
 from ..options import PatchOptions, active
@@ -88,6 +89,12 @@ def init_wrapper(shape_of: Callable[[Any], GroupShape], *,
         options = active()
         if options is None:
             return wrapped(*args, **kwargs)
+        # a failure on any rank, before the side group is made, reaches every rank with its cause
+        with setup_agreed(f"building {type(instance).__name__}"):
+            _build(options, wrapped, instance, args, kwargs)
+        attach(instance, options, fast_generation=enable_fast_generation)
+
+    def _build(options, wrapped, instance, args, kwargs):
         bound = inspect.signature(wrapped).bind(*args, **kwargs)
         config = bound.arguments.get("args")
         if config is not None:
@@ -131,7 +138,6 @@ def init_wrapper(shape_of: Callable[[Any], GroupShape], *,
         wrapped(*bound.args, **bound.kwargs)
         if config is None:  # TRL built a default config: check it now
             check_shape(shape_of(instance.args), options, evaluates=evaluates(instance.args))
-        attach(instance, options, fast_generation=enable_fast_generation)
 
     return _init
 
