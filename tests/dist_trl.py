@@ -141,6 +141,9 @@ def scenario_faults(data):
         if kind == "load":
             misspelt_reward_model(data, bad_rank, placement)
             continue
+        if kind == "soft":
+            soft_failures(data, bad_rank, placement)
+            continue
 
         def flaky_reward(completions, kind=kind, **kwargs):
             if bad_rank == RANK:
@@ -185,6 +188,34 @@ def misspelt_reward_model(data, bad_rank, placement):
         except Exception as exc:
             got["error"] = f"{type(exc).__name__}: {exc}"
         got["seconds"] = time.time() - got["t0"]
+    end_rank_data(data)
+
+
+def soft_failures(data, bad_rank, placement):
+    """apply(reward_failure=...) under both fail-soft policies, for a call that raises and one that sleeps past
+    reward_timeout, on ``bad_rank`` (under main placement the main process scores every rank's rows): one
+    generation each, its advantages and rewards/failed_calls on every rank."""
+    for policy in ("no_reward", "drop_group"):
+        for fault in ("raise", "sleep"):
+            def flaky_reward(completions, fault=fault, **kwargs):
+                if bad_rank == RANK:
+                    if fault == "raise":
+                        raise ZeroDivisionError("injected in flaky_reward")
+                    time.sleep(3600)
+                return [float(len(c) % 3) for c in completions]
+
+            grpo_patches.apply(reward_placement=placement, reward_timeout=5.0, reward_failure=policy)
+            trainer = build(grpo_args(per_device_train_batch_size=4, num_generations=4, max_steps=1),
+                            reward_funcs=[flaky_reward, length_reward])
+            got = data["faults"][f"soft/{policy}/{fault}"] = {"t0": time.time(), "error": None}
+            try:
+                _, out = first_generation(trainer)
+                got["advantages"] = out["advantages"].tolist()
+                got["failed_calls"] = trainer._metrics["train"]["rewards/failed_calls"]
+            except Exception as exc:
+                got["error"] = f"{type(exc).__name__}: {exc}"
+            got["seconds"] = time.time() - got["t0"]
+    grpo_patches.apply(reward_placement=placement, reward_timeout=5.0)
     end_rank_data(data)
 
 

@@ -24,8 +24,8 @@ SLACK = 6.0  # process start and exit, a loaded 2-core machine
 
 LOAD_ERROR = "OSError: We couldn't connect to 'https://huggingface.co' to load the files"  # offline, no such id
 WORLDS = [  # kinds, bad rank, placement
-    ("load,raise,sleep,regex", 1, "local"),
-    ("load,raise,sleep,regex", 0, "main"),
+    ("load,soft,raise,sleep,regex", 1, "local"),
+    ("load,soft,raise,sleep,regex", 0, "main"),
     ("regex", 0, "local"),  # rank 0 also hosts the rendezvous store: the cause must be read before it goes
 ]
 MESSAGES = {"raise": ["ZeroDivisionError: injected in flaky_reward"],
@@ -42,6 +42,9 @@ def test_reward_faults_fail_every_rank(kinds, bad_rank, placement):
     for kind in kinds.split(","):
         if kind == "load":
             check_misspelt_reward_model(results, bad_rank)
+            continue
+        if kind == "soft":
+            check_soft_failures(results, bad_rank, placement)
             continue
         for r in results:
             if kind == "regex" and r.rank == bad_rank:
@@ -76,3 +79,21 @@ def check_misspelt_reward_model(results, bad_rank):
     assert peer["error"] == (f"RemoteFailureError: building GRPOTrainer failed on rank {bad_rank}: "
                              f"{load_error}"), describe(results)
     assert all(r.data["faults"]["load/kit"]["seconds"] < 30 for r in results), describe(results)
+
+
+def check_soft_failures(results, bad_rank, placement):
+    """apply(reward_failure="no_reward" | "drop_group"): a reward call that raises, or a step that times out,
+    on one rank (under main placement: the main process, which scores every rank's rows) fails no rank; every
+    rank logs the same count. "drop_group": the failed call's rows (all of them here: one call per step) have
+    advantage 0. "no_reward": a raising call leaves the other function's rewards, so the advantages
+    are not all 0; a timed-out step leaves no reward at all for its rows."""
+    hit = range(2) if placement == "main" else [bad_rank]  # the ranks whose rows the failed call scored
+    for policy in ("no_reward", "drop_group"):
+        for fault in ("raise", "sleep"):
+            key = f"soft/{policy}/{fault}"
+            for r in results:
+                got = r.data["faults"][key]
+                assert got["error"] is None and got["failed_calls"] == [1.0], (key, r.rank, describe(results))
+                assert got["seconds"] < TIMEOUT + SLACK + 20, (key, got["seconds"])  # one generation as well
+                zero = all(a == 0 for a in got["advantages"])
+                assert zero == (r.rank in hit and (policy == "drop_group" or fault == "sleep")), (key, r.rank, got)
