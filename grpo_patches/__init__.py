@@ -80,6 +80,7 @@ def apply(
     reward_placement: str = "local",
     reward_chunk_size: int | None = None,
     reward_timeout: float = 600.0,
+    reward_failure: str = "raise",
     strict: bool = True,
     fast_generation: bool | dict | Any = False,
     lean_lora: bool = False,
@@ -98,7 +99,8 @@ def apply(
     from .generation import FastGenerationConfig
 
     opts = _options.PatchOptions(reward_placement, reward_chunk_size, reward_timeout, strict,
-                                 FastGenerationConfig.coerce(fast_generation), lean_lora, compile_training)
+                                 FastGenerationConfig.coerce(fast_generation), lean_lora, compile_training,
+                                 reward_failure)
     chosen = tuple(targets) if isinstance(targets, list | tuple) else (targets,)
     if not chosen or any(t not in TARGETS for t in chosen):
         raise ValueError(f"grpo_patches.apply: targets={targets!r}; expected a non-empty tuple of {TARGETS}.")

@@ -10,8 +10,11 @@ message.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
-from collections.abc import Callable
+import os
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -27,6 +30,7 @@ __all__ = [
     "FailFastGroup",
     "RemoteFailureError",
     "call_with_timeout",
+    "setup_agreed",
 ]
 
 
@@ -153,3 +157,91 @@ class FailFastGroup:
     def raise_if_failed(self, failures: list[Failure]) -> None:
         if failures:
             raise RemoteFailureError(failures, on_rank=self.rank)
+
+
+# --- a trainer's construction, agreed by every rank ----------------------------------------------------
+SETUP_GRACE = 30.0  # most seconds a failed rank waits for its peers to read its error before raising it
+_setups: list = [None, 0]  # [the default process group counted in, constructions so far]
+
+
+def _default_store() -> Any | None:
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (RuntimeError, ValueError, AttributeError):
+        return None
+
+
+@contextlib.contextmanager
+def setup_agreed(what: str) -> Iterator[None]:
+    """Run the body (a trainer's construction) so that a failure on any rank reaches every rank.
+
+    Why: the kit makes construction differ between ranks (under main placement only rank 0 loads
+    reward models) and adds collective steps after it (the side group, the liveness monitor). A
+    rank that fails there used to leave its peers with gloo's "Connection reset by peer" in the
+    next collective, naming no rank and no cause (stock TRL fails on every rank alike, each with the
+    real error). So each rank posts its outcome to the job's rendezvous store under
+    ``grpo_patches/setup/<n>/<rank>`` (``n`` counting constructions in this process group): a rank
+    that succeeded waits for every peer's outcome (bounded by the store's timeout, which bounds the
+    collective setup it precedes) and raises :class:`RemoteFailureError` naming a failed rank and
+    its error; a rank that failed waits until its peers have read its outcome (``SETUP_GRACE`` s at
+    most: rank 0 usually hosts the store, which goes when it exits) and re-raises its own error.
+    One process, or no store: the body alone.
+    """
+    store = _default_store() if dist.is_available() and dist.is_initialized() else None
+    if store is None or dist.get_world_size() < 2:
+        yield
+        return
+    world = dist.group.WORLD
+    if _setups[0] is not world:
+        _setups[:] = [world, 0]
+    _setups[1] += 1
+    rank, size = dist.get_rank(), dist.get_world_size()
+    prefix = "grpo_patches/setup/{}/{}/{}/".format(os.environ.get("TORCHELASTIC_RUN_ID", ""),
+                                                  os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"), _setups[1])
+    try:
+        yield
+    except BaseException as exc:
+        failure = failure_from(exc, rank=rank, where=what)
+        with contextlib.suppress(Exception):  # the store is gone: the peers will say so
+            store.set(f"{prefix}{rank}", f"{failure.error_type}\n{failure.message}"[:4000])
+            store.add(f"{prefix}read", 1)
+            deadline = time.monotonic() + SETUP_GRACE
+            while store.add(f"{prefix}read", 0) < size and time.monotonic() < deadline:
+                time.sleep(0.05)
+        raise
+    store.set(f"{prefix}{rank}", "ok")
+    _await_peers(store, prefix, rank, size, what)
+
+
+def _await_peers(store: Any, prefix: str, rank: int, size: int, what: str) -> None:
+    bound = store.timeout.total_seconds()
+    deadline = time.monotonic() + bound
+    keys = [f"{prefix}{peer}" for peer in range(size)]
+    try:
+        while True:
+            posted = [peer for peer in range(size) if store.check([keys[peer]])]
+            failures = []
+            for peer in posted:
+                raw = store.get(keys[peer]).decode(errors="replace")
+                if raw != "ok":
+                    error_type, _, message = raw.partition("\n")
+                    failures.append(Failure(peer, what, error_type, message))
+            if failures or len(posted) == size:
+                store.add(f"{prefix}read", 1)
+                if failures:
+                    raise RemoteFailureError(failures, on_rank=rank)
+                return
+            if time.monotonic() >= deadline:
+                missing = ", ".join(str(p) for p in range(size) if p not in posted)
+                raise CollectiveTimeoutError(
+                    f"grpo_patches: rank {rank} waited {bound:g} s (the store's timeout) after {what} for rank(s) "
+                    f"{missing} to finish theirs: stuck or dead (see their log)."
+                )
+            time.sleep(0.05)
+    except (RemoteFailureError, CollectiveTimeoutError):
+        raise
+    except Exception as exc:  # the store does not answer: its host (rank 0, or torchrun's launcher) is gone
+        raise CollectiveTimeoutError(
+            f"grpo_patches: rank {rank} lost the job's rendezvous store after {what}: rank 0 (which usually hosts it) "
+            f"has died without a word (see its log). Underlying error: {type(exc).__name__}: {exc}"
+        ) from exc

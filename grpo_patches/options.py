@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 
 from .generation import FastGenerationConfig
-from .rewards import PLACEMENTS
+from .rewards import PLACEMENTS, REWARD_FAILURES
 
 __all__ = ["MAX_REWARD_TIMEOUT", "PatchOptions"]
 
@@ -22,12 +22,19 @@ class PatchOptions:
     fast_generation: FastGenerationConfig | None = None
     lean_lora: bool = False
     compile_training: bool = False
+    reward_failure: str = "raise"
 
     def __post_init__(self) -> None:
         if self.reward_placement not in PLACEMENTS:
             raise ValueError(
                 f"grpo_patches.apply: reward_placement={self.reward_placement!r} is not one of {PLACEMENTS}: "
                 f"'local' scores on every rank, 'main' on the main process only."
+            )
+        if not isinstance(self.reward_failure, str) or self.reward_failure not in REWARD_FAILURES:
+            raise ValueError(
+                f"grpo_patches.apply: reward_failure={self.reward_failure!r} is not one of {REWARD_FAILURES}: what a "
+                f"reward call that fails or times out does: 'raise' (every rank raises, the default), 'no_reward' "
+                f"(that function gives its rows no reward), 'drop_group' (its groups are left out of the step)."
             )
         chunk = self.reward_chunk_size
         if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):

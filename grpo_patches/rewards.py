@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import pickle
+import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +32,8 @@ from .collectives import FailFastGroup, Failure, call_with_timeout, failure_from
 
 __all__ = [
     "PLACEMENTS",
+    "REWARD_FAILURES",
+    "SoftFailures",
     "RewardBatch",
     "RewardResult",
     "Scored",
@@ -42,6 +45,7 @@ __all__ = [
 ]
 
 PLACEMENTS = ("local", "main")
+REWARD_FAILURES = ("raise", "no_reward", "drop_group")  # what a failed or timed-out reward call does
 
 
 @dataclass
@@ -88,6 +92,43 @@ class Scored:
 
     rewards: torch.Tensor
     extras: dict[str, list[Any]] = field(default_factory=dict)
+    failed_calls: int = 0  # reward calls that failed and were absorbed by a fail-soft policy
+
+
+class SoftFailures:
+    """What one scoring does with a reward call that raises, under ``reward_failure``.
+
+    ``"raise"`` (the default): the error propagates, naming the function, and every rank raises.
+    ``"no_reward"``: the call's rows get no reward from that function (NaN, what stock TRL makes of
+    ``None``: left out of its sums and group statistics). ``"drop_group"``: the call's rows (whole
+    groups: a call scores whole groups) get no reward from any function, so the group carries no
+    advantage (TRL zeroes the advantage of a row no function scored; where it sums such a row to
+    0, the whole group is 0 and its advantage is 0 just the same). Each absorbed call is counted and
+    said on stderr with its error.
+    """
+
+    def __init__(self, policy: str, rank: int = 0) -> None:
+        self.policy, self.rank = policy, rank
+        self.calls = 0
+        self.dropped: list[slice] = []
+
+    def absorb(self, exc: Exception, where: str, rows: slice) -> None:
+        """Called in ``except``: re-raises under ``"raise"``, else records the failed call."""
+        if self.policy == "raise":
+            exc.grpo_patches_where = where  # type: ignore[attr-defined]
+            raise exc
+        self.calls += 1
+        if self.policy == "drop_group":
+            self.dropped.append(rows)
+        sys.stderr.write(f"grpo_patches: {where} failed on rank {self.rank} for completions {rows.start}..{rows.stop - 1} "
+                         f"({type(exc).__name__}: {exc}); reward_failure={self.policy!r}: "
+                         f"{'no reward from it for them' if self.policy == 'no_reward' else 'their groups dropped'}.\n")
+
+    def finish(self, rewards: torch.Tensor) -> torch.Tensor:
+        """``rewards`` with the dropped groups' rows emptied (NaN in every column)."""
+        for rows in self.dropped:
+            rewards[rows] = math.nan
+        return rewards
 
 
 ScoreFn = Callable[[RewardBatch, list[int]], Scored]
@@ -99,6 +140,7 @@ class RewardResult:
     all: torch.Tensor | None  # every rank's rows in rank order, [N, F]; on rank 0 always, elsewhere when asked
     counts: list[int] | None  # rows per rank, where ``all`` is known
     extras: dict[str, list[Any]]  # this rank's rows of the side columns
+    failed_calls: int = 0  # reward calls absorbed by a fail-soft policy this step, on every rank together
 
 
 def validate_chunk_size(chunk_size: int | None, num_generations: int, *, name: str = "num_generations") -> None:
@@ -194,7 +236,8 @@ def score_in_chunks(
     for part in parts:
         for key, values in extras.items():
             values.extend(part.extras.get(key, [None] * part.rewards.shape[0]))
-    return Scored(torch.cat([p.rewards.float().cpu() for p in parts]), extras)
+    return Scored(torch.cat([p.rewards.float().cpu() for p in parts]), extras,
+                  sum(p.failed_calls for p in parts))
 
 
 def _whole_groups_failure(batch: RewardBatch, num_generations: int, rank: int, hint: str) -> Failure | None:
@@ -220,6 +263,8 @@ def compute_rewards(
     everywhere: bool = False,
     running: Callable[[], str] | None = None,
     shape_hint: str = "",
+    on_failure: str = "raise",
+    num_funcs: int = 0,
 ) -> RewardResult:
     """Score this rank's ``batch`` where ``placement`` says; a collective over ``group``.
 
@@ -228,53 +273,75 @@ def compute_rewards(
     Raises :class:`~grpo_patches.collectives.RemoteFailureError` on every rank if scoring failed or
     timed out on any rank; ``running`` names the reward function in progress for the timeout message.
     A rank whose ``batch`` is not whole groups is such a failure too; ``shape_hint`` says how to fix it.
+
+    ``on_failure`` (one of :data:`REWARD_FAILURES`): a reward call that fails is absorbed by
+    ``score_fn`` itself (:class:`SoftFailures`); here a step that times out under a fail-soft
+    policy gives all of its rows no reward from any of the ``num_funcs`` functions (the stuck one
+    cannot be told apart from those it kept from running), counted as one failed call. Every rank
+    gets the step's total count. Code that holds the GIL past the deadline still ends its process
+    (the watchdog's hard stop): no policy can absorb that.
     """
+    if on_failure not in REWARD_FAILURES:
+        raise ValueError(f"reward_failure={on_failure!r}; expected one of {REWARD_FAILURES}")
     if placement not in PLACEMENTS:
         raise ValueError(f"reward_placement={placement!r}; expected one of {PLACEMENTS}")
     run = lambda b: score_in_chunks(b, score_fn, num_generations=num_generations, chunk_size=chunk_size)  # noqa: E731
     score = _score_local if placement == "local" else _score_on_main
     failure = _whole_groups_failure(batch, num_generations, group.rank, shape_hint)
-    return score(batch, run, failure, group=group, timeout=timeout, everywhere=everywhere, running=running)
+    soft_timeout = num_funcs if on_failure != "raise" else 0
+    return score(batch, run, failure, group=group, timeout=timeout, everywhere=everywhere, running=running,
+                 soft_timeout=soft_timeout)
+
+
+def _timed_out(exc: Exception, rows: int, soft_timeout: int) -> Scored | None:
+    """Under a fail-soft policy (``soft_timeout``: the number of functions), a timed-out step's rows, unscored."""
+    if soft_timeout and isinstance(exc, TimeoutError):
+        sys.stderr.write(f"grpo_patches: {exc}; its {rows} completions get no reward (reward_failure is fail-soft).\n")
+        return Scored(torch.full((rows, soft_timeout), math.nan), failed_calls=1)
+    return None
 
 
 def _score_local(batch, run, failure: Failure | None, *, group: FailFastGroup, timeout: float, everywhere: bool,
-                 running) -> RewardResult:
+                 running, soft_timeout: int = 0) -> RewardResult:
     scored: Scored | None = None
     if failure is None:
         try:
             scored = call_with_timeout(lambda: run(batch), timeout, what=f"reward computation on rank {group.rank}",
                                        running=running)
         except Exception as exc:
-            failure = failure_from(exc, rank=group.rank, where="reward computation")
+            scored = _timed_out(exc, len(batch), soft_timeout)
+            if scored is None:
+                failure = failure_from(exc, rank=group.rank, where="reward computation")
     if group.world_size == 1:
         group.raise_if_failed([failure] if failure else [])
         assert scored is not None
-        return RewardResult(scored.rewards, scored.rewards, [len(batch)], scored.extras)
-    gathered = group.gather_to_main((failure, None if scored is None else scored.rewards))
-    verdict: tuple[list[Failure], torch.Tensor | None, list[int] | None] | None = None
+        return RewardResult(scored.rewards, scored.rewards, [len(batch)], scored.extras, scored.failed_calls)
+    gathered = group.gather_to_main((failure, None if scored is None else scored.rewards,
+                                     0 if scored is None else scored.failed_calls))
+    verdict: tuple[list[Failure], torch.Tensor | None, list[int] | None, int] | None = None
     if group.is_main:
         assert gathered is not None
-        failures = [f for f, _ in gathered if f is not None]
+        failures = [f for f, _, _ in gathered if f is not None]
         full = counts = None
         if not failures:
-            full = torch.cat([t for _, t in gathered])
-            counts = [t.shape[0] for _, t in gathered]
-        verdict = (failures, full, counts)
+            full = torch.cat([t for _, t, _ in gathered])
+            counts = [t.shape[0] for _, t, _ in gathered]
+        verdict = (failures, full, counts, sum(n for _, _, n in gathered))
     # Rank 0 has the verdict; the others need the full tensor only for global statistics.
     to_send = None
     if verdict is not None:
-        to_send = verdict if everywhere else (verdict[0], None, None)
-    failures, full, counts = group.broadcast_from_main(to_send)
+        to_send = verdict if everywhere else (verdict[0], None, None, verdict[3])
+    failures, full, counts, failed_calls = group.broadcast_from_main(to_send)
     group.raise_if_failed(failures)
     assert scored is not None
     if group.is_main:
         assert verdict is not None
         full, counts = verdict[1], verdict[2]
-    return RewardResult(scored.rewards, full, counts, scored.extras)
+    return RewardResult(scored.rewards, full, counts, scored.extras, failed_calls)
 
 
 def _score_on_main(batch, run, failure: Failure | None, *, group: FailFastGroup, timeout: float, everywhere: bool,
-                   running) -> RewardResult:
+                   running, soft_timeout: int = 0) -> RewardResult:
     payload: bytes | None = None
     if failure is None:
         try:
@@ -294,23 +361,29 @@ def _score_on_main(batch, run, failure: Failure | None, *, group: FailFastGroup,
                 batches = [pickle.loads(p) for _, p in gathered]
                 counts = [len(b) for b in batches]
                 merged = RewardBatch.concat(batches)
-                scored = call_with_timeout(lambda: run(merged), timeout, what="reward computation on the main process",
-                                           running=running)
+                try:
+                    scored = call_with_timeout(lambda: run(merged), timeout,
+                                               what="reward computation on the main process", running=running)
+                except Exception as exc:
+                    scored = _timed_out(exc, len(merged), soft_timeout)
+                    if scored is None:
+                        raise
                 full = scored.rewards
             except Exception as exc:
                 failures.append(failure_from(exc, rank=group.rank, where="reward computation"))
         if failures:
-            replies = [(failures, None, None, None, None)] * group.world_size
+            replies = [(failures, None, None, None, None, 0)] * group.world_size
         else:
             replies = []
             start = 0
             for count in counts:
                 rows = slice(start, start + count)
                 extras = {k: v[rows] for k, v in scored.extras.items()}
-                replies.append(([], full[rows], extras, full if everywhere else None, counts if everywhere else None))
+                replies.append(([], full[rows], extras, full if everywhere else None, counts if everywhere else None,
+                                scored.failed_calls))
                 start += count
-    failures, local, extras, shared_full, shared_counts = group.scatter_from_main(replies)
+    failures, local, extras, shared_full, shared_counts, failed_calls = group.scatter_from_main(replies)
     group.raise_if_failed(failures)
     if not group.is_main:
         full, counts = shared_full, shared_counts
-    return RewardResult(local, full, counts or None, extras)
+    return RewardResult(local, full, counts or None, extras, failed_calls)

@@ -34,6 +34,13 @@ OPTIONS: tuple[Option, ...] = (
            "built). ``None``: one call per rank / per step."),
     Option("reward_timeout", 600.0, "float",
            "seconds a step's reward computation may take before every rank raises."),
+    Option("reward_failure", "raise", "str",
+           'what a reward call that raises or times out does: ``"raise"`` (every rank raises, naming the rank, '
+           'the function and the error), ``"no_reward"`` (that function gives the call\'s completions no reward, '
+           'as if it returned ``None``) or ``"drop_group"`` (the call\'s groups get no reward from any function, so '
+           "no advantage). Every rank goes on alike; the step's count is logged as ``rewards/failed_calls``. A "
+           "timed-out step gives all of its rows no reward; code holding the GIL past the deadline still ends its "
+           "process."),
     Option("strict", True, "bool",
            "on a TRL release outside the tested range raise :class:`UnsupportedVersionError`; with ``False``, "
            "warn and patch nothing."),

@@ -29,9 +29,10 @@ from packaging.specifiers import SpecifierSet
 from torch import nn
 
 from .. import options as _options
+from ..collectives import setup_agreed
 from ..generation import FAST_GEN_ATTR, FastGenerationState, fast_generate
 from ..grouping import GroupShapeError, RankLocalGroupSampler, check_group_shape, nearest_valid_settings
-from ..rewards import RewardBatch, Scored, compute_rewards, reward_column, validate_chunk_size
+from ..rewards import RewardBatch, Scored, SoftFailures, compute_rewards, reward_column, validate_chunk_size
 from ..watchdog import Progress
 from . import Adapter
 from .common import STATE_ATTR, TrainerPatchState, accepts, attach, main_only_reward_funcs
@@ -63,6 +64,12 @@ def wrap_init(wrapped, instance, args, kwargs):
     opts = _options.active()
     if opts is None:
         return wrapped(*args, **kwargs)
+    with setup_agreed(f"building {type(instance).__name__}"):  # a failure reaches every rank, with its cause
+        _build(opts, wrapped, instance, args, kwargs)
+    attach(instance, opts)
+
+
+def _build(opts, wrapped, instance, args, kwargs) -> None:
     from ..vendored.dsm_grpo import DSMGRPOConfig, DSMGRPOTrainer
 
     bound = inspect.signature(wrapped).bind(*args, **kwargs)
@@ -81,7 +88,6 @@ def wrap_init(wrapped, instance, args, kwargs):
     wrapped(*bound.args, **bound.kwargs)
     if opts.reward_placement == "main":  # every rank names the functions as the main process does
         instance.reward_func_names = DSMGRPOTrainer.reward_names(funcs)
-    attach(instance, opts)
 
 
 def wrap_create_groups(wrapped, instance, args, kwargs):
@@ -112,6 +118,7 @@ def _score(trainer: Any, batch: RewardBatch, group_ids: list[int], progress: dic
     rewards = torch.zeros(n, len(trainer.reward_funcs))
     optional = {"num_generations": G, "group_ids": group_ids}
     funcs = zip(trainer.reward_funcs, trainer.reward_tokenizers, trainer.reward_func_names, strict=True)
+    soft = SoftFailures(getattr(trainer, STATE_ATTR).options.reward_failure, trainer.accelerator.process_index)
     for i, (func, tokenizer, name) in enumerate(funcs):
         progress["now"] = f"reward function '{name}'"
         try:
@@ -122,9 +129,9 @@ def _score(trainer: Any, batch: RewardBatch, group_ids: list[int], progress: dic
                               **{k: v for k, v in optional.items() if accepts(func, k)})
             rewards[:, i] = torch.tensor(reward_column(values, n, name), dtype=torch.float32)
         except Exception as exc:
-            exc.grpo_patches_where = f"reward function '{name}'"  # type: ignore[attr-defined]
-            raise
-    return Scored(rewards)
+            soft.absorb(exc, f"reward function '{name}'", slice(0, n))
+            rewards[:, i] = float("nan")
+    return Scored(soft.finish(rewards), failed_calls=soft.calls)
 
 
 def wrap_compute_rewards(wrapped, instance, args, kwargs):
@@ -140,7 +147,10 @@ def wrap_compute_rewards(wrapped, instance, args, kwargs):
         lambda b, ids: _score(instance, b, ids, progress),
         group=state.group, placement=opts.reward_placement, num_generations=instance.config.num_generations,
         chunk_size=opts.reward_chunk_size, timeout=opts.reward_timeout, running=lambda: progress.get("now", ""),
+        on_failure=opts.reward_failure, num_funcs=len(instance.reward_funcs),
     )
+    # reward calls absorbed by a fail-soft policy so far, on every rank together (the same on each)
+    instance.failed_reward_calls = getattr(instance, "failed_reward_calls", 0) + result.failed_calls
     # None ("no reward") is NaN in the column; the unpatched sum would turn it into NaN too, so a
     # completion's NaN functions are left out of its sum (TRL's nansum).
     return result.local.nansum(1).to(instance.accelerator.device)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import math
 import os
 import warnings
 from collections.abc import Callable
@@ -18,10 +19,19 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..collectives import setup_agreed
 from ..grouping import RankLocalGroupSampler, check_group_shape, epoch_of_state
 from ..liveness import watching
 from ..options import PatchOptions, active
-from ..rewards import RewardBatch, Scored, chunk_slices, compute_rewards, reward_column, validate_chunk_size
+from ..rewards import (
+    RewardBatch,
+    Scored,
+    SoftFailures,
+    chunk_slices,
+    compute_rewards,
+    reward_column,
+    validate_chunk_size,
+)
 from ..watchdog import Progress
 from .common import STATE_ATTR, TrainerPatchState, accepts, attach, main_only_reward_funcs
 from .trl_generation import enable_fast_generation
@@ -76,7 +86,8 @@ def _datasets(value: Any) -> list[Any]:
 
 
 def init_wrapper(shape_of: Callable[[Any], GroupShape], *,
-                 fast_generation_available: Callable[[], bool] = lambda: False) -> Callable:
+                 fast_generation_available: Callable[[], bool] = lambda: False,
+                 soft_failures: bool = True) -> Callable:
     """The ``GRPOTrainer.__init__`` wrapper of every era; ``shape_of`` reads the era's config fields.
 
     Before TRL builds anything: reject a batch shape that would split a group; under main
@@ -88,6 +99,12 @@ def init_wrapper(shape_of: Callable[[Any], GroupShape], *,
         options = active()
         if options is None:
             return wrapped(*args, **kwargs)
+        # a failure on any rank, before the side group is made, reaches every rank with its cause
+        with setup_agreed(f"building {type(instance).__name__}"):
+            _build(options, wrapped, instance, args, kwargs)
+        attach(instance, options, fast_generation=enable_fast_generation)
+
+    def _build(options, wrapped, instance, args, kwargs):
         bound = inspect.signature(wrapped).bind(*args, **kwargs)
         config = bound.arguments.get("args")
         if config is not None:
@@ -95,6 +112,12 @@ def init_wrapper(shape_of: Callable[[Any], GroupShape], *,
         for name in ("train_dataset", "eval_dataset"):
             for dataset in _datasets(bound.arguments.get(name)):
                 check_columns(getattr(dataset, "column_names", None), name)
+        if options.reward_failure != "raise" and not soft_failures:
+            raise ValueError(
+                f"grpo_patches: reward_failure={options.reward_failure!r} needs TRL >= 0.19 (one reward step for "
+                f"every function: earlier releases call each function in a loop of their own, where a group cannot "
+                f"be dropped for all of them); upgrade TRL or keep reward_failure='raise'."
+            )
         if options.fast_generation is not None and not fast_generation_available():
             raise ValueError(
                 "grpo_patches: fast_generation=True needs GRPOTrainer._generate_single_turn(prompt_ids, ...), which "
@@ -131,7 +154,6 @@ def init_wrapper(shape_of: Callable[[Any], GroupShape], *,
         wrapped(*bound.args, **bound.kwargs)
         if config is None:  # TRL built a default config: check it now
             check_shape(shape_of(instance.args), options, evaluates=evaluates(instance.args))
-        attach(instance, options, fast_generation=enable_fast_generation)
 
     return _init
 
@@ -197,7 +219,8 @@ def _is_async(func: Any) -> bool:
 def score_batch(trainer: Any, batch: RewardBatch, group_ids: list[int], *, num_generations: int,
                 with_environments: bool, chunk_size: int | None = None, progress: dict[str, str] | None = None,
                 funcs: list[tuple[Any, Any, str]] | None = None, profile: Callable[[str], Any] | None = None,
-                warn_unscored: Callable[[dict], None] | None = None) -> Scored:
+                warn_unscored: Callable[[dict], None] | None = None, on_failure: str = "raise",
+                rank: int = 0) -> Scored:
     """TRL's reward loop on ``batch``: every reward function / model, each over chunks of whole groups.
 
     ``funcs``: ``(function or model, processing class, name)`` triples; default the trainer's.
@@ -205,6 +228,8 @@ def score_batch(trainer: Any, batch: RewardBatch, group_ids: list[int], *, num_g
     step (one timing per function per step, as upstream logs it, however many chunks).
     ``warn_unscored(row)``: upstream's warning (its text, on its logger) for the first row no
     function scored, given that row's keyword arguments as upstream shows them.
+    ``on_failure``: what a call (one function on one chunk) that raises does (:class:`SoftFailures`;
+    ``rank`` names this rank in what it says).
 
     As upstream: on the calling thread, models and synchronous functions one after another, then
     the async functions concurrently on the trainer's event loop; the same keyword arguments
@@ -222,6 +247,7 @@ def score_batch(trainer: Any, batch: RewardBatch, group_ids: list[int], *, num_g
     n = len(batch)
     slices = chunk_slices(n, num_generations, chunk_size)
     rewards = torch.zeros(n, len(funcs))
+    soft = SoftFailures(on_failure, rank)
     extras: dict[str, list[Any]] = {}
     environments = getattr(trainer, "environments", None) if with_environments else None
     # Passed only to functions that accept them: upstream added trainer_state (0.20), log_extra /
@@ -245,23 +271,29 @@ def score_batch(trainer: Any, batch: RewardBatch, group_ids: list[int], *, num_g
         return dict(prompts=batch.prompts[rows], completions=batch.completions[rows],
                     completion_ids=batch.completion_ids[rows], **kwargs)
 
-    def named(name: str, fn: Callable[[], Any]) -> Any:
-        try:
-            return fn()
-        except Exception as exc:
-            exc.grpo_patches_where = f"reward function '{name}'"  # type: ignore[attr-defined]
-            raise
+    def per_call(name: str, call: Callable[[slice], list[float]]) -> list[float]:
+        """One function over the chunks, each chunk one call; a failed call goes to ``soft``."""
+        column: list[float] = []
+        for r in slices:
+            try:
+                column += call(r)
+            except Exception as exc:
+                soft.absorb(exc, f"reward function '{name}'", r)
+                column += [math.nan] * (r.stop - r.start)
+        return column
 
-    def model_column(model: nn.Module, processing_class: Any, name: str) -> torch.Tensor:
-        values = torch.cat([_score_with_model(trainer, Trainer, model, processing_class, batch.slice(r.start, r.stop))
-                            for r in slices])
-        if not torch.isfinite(values).all():
-            bad = int((~torch.isfinite(values)).nonzero()[0, 0])
-            raise ValueError(f"reward model '{name}' gave {values[bad].item()} for completion {bad}")
-        return values
+    def model_column(model: nn.Module, processing_class: Any, name: str) -> list[float]:
+        def call(r: slice) -> list[float]:
+            values = _score_with_model(trainer, Trainer, model, processing_class, batch.slice(r.start, r.stop))
+            if not torch.isfinite(values).all():
+                bad = int((~torch.isfinite(values)).nonzero()[0, 0])
+                raise ValueError(f"reward model '{name}' gave {values[bad].item()} for completion {r.start + bad}")
+            return values.tolist()
+
+        return per_call(name, call)
 
     def func_column(func: Any, name: str) -> list[float]:
-        return [x for r in slices for x in reward_column(func(**call_kwargs(func, r)), r.stop - r.start, name)]
+        return per_call(name, lambda r: reward_column(func(**call_kwargs(func, r)), r.stop - r.start, name))
 
     async_funcs = []
     for i, (func, processing_class, name) in enumerate(funcs):
@@ -269,36 +301,37 @@ def score_batch(trainer: Any, batch: RewardBatch, group_ids: list[int], *, num_g
             progress["now"] = f"reward function '{name}'"
         if isinstance(func, nn.Module):
             with profile(name):
-                rewards[:, i] = named(name, lambda: model_column(func, processing_class, name))  # noqa: B023
+                rewards[:, i] = torch.tensor(model_column(func, processing_class, name), dtype=torch.float32)
         elif _is_async(func):
             async_funcs.append((i, func, name))
         else:
             with profile(name):
-                rewards[:, i] = torch.tensor(named(name, lambda: func_column(func, name)),  # noqa: B023
-                                             dtype=torch.float32)
+                rewards[:, i] = torch.tensor(func_column(func, name), dtype=torch.float32)
     if async_funcs:
         if progress is not None:
             progress["now"] = "async reward functions " + ", ".join(f"'{name}'" for _, _, name in async_funcs)
-        for i, column in _run_async(trainer, async_funcs, slices, call_kwargs, profile):
+        for i, column in _run_async(trainer, async_funcs, slices, call_kwargs, profile, soft):
             rewards[:, i] = torch.tensor(column, dtype=torch.float32)
+    soft.finish(rewards)
     if warn_unscored is not None:
         _report_unscored(warn_unscored, rewards, batch, environments)
-    return Scored(rewards, extras)
+    return Scored(rewards, extras, soft.calls)
 
 
-def _run_async(trainer: Any, async_funcs: list, slices: list[slice], call_kwargs: Callable, profile: Callable):
+def _run_async(trainer: Any, async_funcs: list, slices: list[slice], call_kwargs: Callable, profile: Callable,
+               soft: SoftFailures):
     """Upstream runs the async reward functions together (``asyncio.gather``) on its event loop."""
 
     async def one(i: int, func: Any, name: str) -> tuple[int, list[float]]:
-        try:
-            with profile(name):
-                column: list[float] = []
-                for r in slices:
+        with profile(name):
+            column: list[float] = []
+            for r in slices:
+                try:
                     column += reward_column(await func(**call_kwargs(func, r)), r.stop - r.start, name)
-                return i, column
-        except Exception as exc:
-            exc.grpo_patches_where = f"reward function '{name}'"  # type: ignore[attr-defined]
-            raise
+                except Exception as exc:
+                    soft.absorb(exc, f"reward function '{name}'", r)
+                    column += [math.nan] * (r.stop - r.start)
+            return i, column
 
     async def together() -> list[tuple[int, list[float]]]:
         return await asyncio.gather(*(one(*f) for f in async_funcs))
@@ -347,6 +380,17 @@ def _score_with_model(trainer: Any, trainer_cls: type, model: nn.Module, process
         return model(**inputs).logits[:, 0].float().cpu()
 
 
+def log_failed_calls(trainer: Any, count: int) -> None:
+    """``rewards/failed_calls``: the step's reward calls absorbed by a fail-soft policy, over every rank
+    (each rank has the same count), in TRL's per-mode metrics (a plain dict of lists before 0.16)."""
+    metrics = getattr(trainer, "_metrics", None)
+    if metrics is None:
+        return
+    if "train" in metrics and "eval" in metrics:
+        metrics = metrics["train" if trainer.model.training else "eval"]
+    metrics["rewards/failed_calls"].append(float(count))
+
+
 def trl_layout_rewards(trainer: Any, inputs: list[dict], prompts: list, completions: list,
                        completion_ids_list: list, *, num_generations: int, global_stats: bool,
                        profile: Callable[[str], Any] | None = None,
@@ -373,7 +417,8 @@ def trl_layout_rewards(trainer: Any, inputs: list[dict], prompts: list, completi
         # covers its whole share of the step (as upstream's does)
         lambda b, ids: score_batch(trainer, b, ids, num_generations=num_generations,
                                    with_environments=local_placement, chunk_size=options.reward_chunk_size,
-                                   progress=progress, profile=profile, warn_unscored=warn_unscored),
+                                   progress=progress, profile=profile, warn_unscored=warn_unscored,
+                                   on_failure=options.reward_failure, rank=state.group.rank),
         group=state.group,
         placement=options.reward_placement,
         num_generations=num_generations,
@@ -382,7 +427,11 @@ def trl_layout_rewards(trainer: Any, inputs: list[dict], prompts: list, completi
         everywhere=global_stats,
         running=lambda: progress.get("now", ""),
         shape_hint=shape_hint,
+        on_failure=options.reward_failure,
+        num_funcs=len(trainer.reward_funcs),
     )
+    if options.reward_failure != "raise":
+        log_failed_calls(trainer, result.failed_calls)
     log_extra = getattr(trainer, "_log_completion_extra", None)
     if log_extra is not None:
         for column, values in result.extras.items():

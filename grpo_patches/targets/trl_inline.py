@@ -108,7 +108,7 @@ def _adapter(key: str, releases: str, shape_of, repeats, reward_site: str, sampl
         module="trl.trainer.grpo_trainer",
         class_name="GRPOTrainer",
         wrappers={
-            "__init__": init_wrapper(shape_of),
+            "__init__": init_wrapper(shape_of, soft_failures=False),
             "_get_train_sampler": sampler_wrapper(shape_of, repeats),
             reward_site: _guarded_rewards,
             "train": train_wrapper,  # liveness: a vanished peer rank is named (liveness.py)

@@ -131,13 +131,20 @@ def scenario_main(data):
 
 def scenario_faults(data):
     """Faults one after another in one world (``kinds``: comma-separated), each on ``bad_rank``: a reward
-    function that raises, one that sleeps past reward_timeout, one stuck in a regular expression that
+    model id that does not exist (the trainer's construction fails), a reward function that raises, one that sleeps past reward_timeout, one stuck in a regular expression that
     backtracks catastrophically (it holds the GIL in C: it ends its rank, so it comes last)."""
     kinds, bad_rank, placement = data["argv"][0].split(","), int(data["argv"][1]), data["argv"][2]
     data["faults"] = {}
     save = lambda: end_rank_data(data)  # noqa: E731 - what a rank ended by the hard stop leaves behind
 
     for kind in kinds:
+        if kind == "load":
+            misspelt_reward_model(data, bad_rank, placement)
+            continue
+        if kind == "soft":
+            soft_failures(data, bad_rank, placement)
+            continue
+
         def flaky_reward(completions, kind=kind, **kwargs):
             if bad_rank == RANK:
                 if kind == "raise":
@@ -163,6 +170,53 @@ def scenario_faults(data):
                 raise
         got["seconds"] = time.time() - got["t0"]
         save()
+
+
+def misspelt_reward_model(data, bad_rank, placement):
+    """A reward model id that names nothing (HF_HUB_OFFLINE=1: nothing reaches the network). Stock TRL loads it
+    on every rank, so every rank raises the load error; the kit loads it where the placement says (rank 0 under
+    main placement, ``bad_rank`` alone here under local), and the other rank must learn the cause."""
+    misspelt = "grpo-patches/no-such-reward-model"
+    for label in ("stock", "kit"):
+        grpo_patches.revert()
+        if label == "kit":
+            grpo_patches.apply(reward_placement=placement, reward_timeout=5.0)
+        funcs = [misspelt] if label == "stock" or placement == "main" or bad_rank == RANK else [length_reward]
+        got = data["faults"][f"load/{label}"] = {"t0": time.time(), "error": None}
+        try:
+            build(grpo_args(per_device_train_batch_size=4, num_generations=4, max_steps=1), reward_funcs=funcs)
+        except Exception as exc:
+            got["error"] = f"{type(exc).__name__}: {exc}"
+        got["seconds"] = time.time() - got["t0"]
+    end_rank_data(data)
+
+
+def soft_failures(data, bad_rank, placement):
+    """apply(reward_failure=...) under both fail-soft policies, for a call that raises and one that sleeps past
+    reward_timeout, on ``bad_rank`` (under main placement the main process scores every rank's rows): one
+    generation each, its advantages and rewards/failed_calls on every rank."""
+    for policy in ("no_reward", "drop_group"):
+        for fault in ("raise", "sleep"):
+            def flaky_reward(completions, fault=fault, **kwargs):
+                if bad_rank == RANK:
+                    if fault == "raise":
+                        raise ZeroDivisionError("injected in flaky_reward")
+                    time.sleep(3600)
+                return [float(len(c) % 3) for c in completions]
+
+            grpo_patches.apply(reward_placement=placement, reward_timeout=5.0, reward_failure=policy)
+            trainer = build(grpo_args(per_device_train_batch_size=4, num_generations=4, max_steps=1),
+                            reward_funcs=[flaky_reward, length_reward])
+            got = data["faults"][f"soft/{policy}/{fault}"] = {"t0": time.time(), "error": None}
+            try:
+                _, out = first_generation(trainer)
+                got["advantages"] = out["advantages"].tolist()
+                got["failed_calls"] = trainer._metrics["train"]["rewards/failed_calls"]
+            except Exception as exc:
+                got["error"] = f"{type(exc).__name__}: {exc}"
+            got["seconds"] = time.time() - got["t0"]
+    grpo_patches.apply(reward_placement=placement, reward_timeout=5.0)
+    end_rank_data(data)
 
 
 def end_rank_data(data):
