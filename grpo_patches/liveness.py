@@ -27,8 +27,9 @@ A rank's main thread also writes down, before its reward step and each reward fu
 what it runs and under which ``reward_timeout`` (the watchdog's announcer). A peer reads that
 record when the rank's counter stops moving, while the rank (and a store it hosts) still answers:
 so when code that holds the GIL is ended by the watchdog's hard stop (no Python runs there to
-say why), its peers name the rank, the reward function and the timeout. Such a rank is given its
-``reward_timeout`` plus the hard stop's grace before it counts as gone.
+say why), its peers name the rank, the reward function and the timeout. A rank silent in its reward
+step counts as gone after ``timeout`` s like any other (its own hard stop may come later: a peer
+need not wait for it), and is named with the function it was in.
 """
 
 from __future__ import annotations
@@ -229,15 +230,14 @@ class _Monitor:
                     f"and rank {peer} stopped answering: it holds the GIL in code that nothing can interrupt, so the "
                     f"kit's hard stop ends that rank {watchdog.HARD_STOP_GRACE:g} s after its deadline (its stack is in "
                     f"that rank's log)")
-        return (f"rank {peer} vanished during its reward step, in {what}, {stalled:.0f} s into its reward_timeout="
-                f"{timeout:g} s (a process killed by SIGKILL, e.g. by the out-of-memory killer, leaves no message: "
-                f"see that rank's log, `dmesg` or the job scheduler)")
+        return (f"rank {peer} vanished during its reward step: no heartbeat for {stalled:.0f} s while in {what}, "
+                f"within its reward_timeout={timeout:g} s (code holding the GIL, a frozen process, or one killed "
+                f"by SIGKILL, e.g. by the out-of-memory killer, which leaves no message: see that rank's log, "
+                f"`dmesg` or the job scheduler)")
 
     def verdict(self, silence: float) -> tuple[int, str] | None:
-        """A peer inside train() whose counter has not moved for ``silence`` s, or a lost store.
-
-        A peer in its reward step gets its ``reward_timeout`` plus the hard stop's grace, when
-        ``silence`` is the monitor's own bound (no connection error has said that it is gone)."""
+        """A peer inside train() whose counter has not moved for ``silence`` s, or a lost store; a peer that
+        wrote down a reward step before it went silent is named with it."""
         now = time.monotonic()
         if self.store_lost_since is not None:  # no readings of anyone: only the store's host can be named
             if now - self.store_lost_since < silence:
@@ -254,10 +254,7 @@ class _Monitor:
             return 0, f"{lost}: {who} has vanished"
         for peer, (phase, beats, moved) in sorted(self.seen.items()):
             record = self._in_reward_step(peer, beats)
-            limit = silence
-            if record is not None and silence >= self.timeout:
-                limit = max(silence, record[1] + watchdog.HARD_STOP_GRACE + 3 * self.interval)
-            if phase % 2 == 1 and now - moved >= limit:
+            if phase % 2 == 1 and now - moved >= silence:
                 if record is not None:
                     return peer, self._cause(peer, now - moved, record)
                 return peer, (f"rank {peer} vanished: no heartbeat for {now - moved:.0f} s while in trainer.train() "

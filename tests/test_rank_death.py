@@ -144,7 +144,7 @@ def test_a_store_read_that_outlasts_the_wait_still_gets_the_verdict():
     monitor.rank, monitor.world_size, monitor.address = 1, 2, ("127.0.0.1", 29500)
     monitor.set_timeout(1.0)
     monitor.lock, monitor.seen, monitor.armed, monitor.judging = threading.Lock(), {}, True, False
-    monitor.store_lost_since, monitor.store_error = None, ""
+    monitor.store_lost_since, monitor.store_error, monitor.doing = None, "", {}
 
     def blocked_read():  # as a read of the dead store does; meanwhile the thread's failed tick is recorded
         time.sleep(1.2)
