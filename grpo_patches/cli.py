@@ -207,13 +207,13 @@ class _Parser(argparse.ArgumentParser):
 def _version() -> str:
     from importlib import metadata
 
-    from . import __version__
+    from .surface import VERSION
 
     try:
         trl = f"TRL {metadata.version('trl')} installed"
     except metadata.PackageNotFoundError:
         trl = "TRL not installed"
-    return f"grpo-patches {__version__} ({trl})"
+    return f"grpo-patches {VERSION} ({trl})"
 
 
 def build_parser() -> argparse.ArgumentParser:
