@@ -14,6 +14,10 @@ trainer built from the same random weights, so drift hits every variant alike::
     # largest per-device batch under a 24 GB cap, each probe a fresh launch of NPROC ranks:
     python benchmarks/bench_grpo.py --find-max-batch --nproc 2 --mem-cap-gb 24 --policy 0.5b
 
+    # best layout against best layout: stock and the kit's speed path over micro-batch x generation
+    # batch at 1024 completions per step under a 24 GB cap (--dry-run lists the grid, runs nothing):
+    python benchmarks/bench_grpo.py --grid --policy 1.5b --completions-per-step 1024 --mem-cap-gb 24
+
 Policy: a Qwen2.5-0.5B- or 1.5B-like Qwen2 with random weights (no hub) + LoRA r=16, alpha=32,
 dropout 0.05 on all seven projections. Rewards: a rule reward and a 0.5B-class reward model
 (Qwen2ForSequenceClassification, num_labels=1), built inside each variant and given to the trainer
@@ -105,6 +109,8 @@ VARIANTS: dict[str, tuple[dict[str, Any] | None, dict[str, Any]]] = {
                                 "compile_training": True}, {}),
     "patched-graph-lean-kg-compiled": ({"reward_placement": "local", "fast_generation": {
         "decode_loop": "graph", "keep_graph": True}, "lean_lora": True, "compile_training": True}, {}),
+    # apply(speed=True): fast_generation + lean_lora + compile_training, each at its defaults
+    "patched-speed": ({"reward_placement": "local", "speed": True}, {}),
 }
 #: (variant, baseline, target): the patch's overhead where both sides generate the same way.
 OVERHEAD_PAIRS = [("patched-graph", "stock-graph", 1.01)]
@@ -169,6 +175,16 @@ def floor_estimate(policy: str, batch: int, prompt_len: int, completion_len: int
             "floor_decode_bytes": completion_len * step_bytes, "prompt_len": prompt_len}
 
 
+def step_floor(policy: str, completions: int, generation_batch: int, prompt_len: int, completion_len: int,
+               grad_ckpt: bool) -> dict[str, float]:
+    """``floor_estimate`` for an optimizer step of ``completions`` per rank generated ``generation_batch`` at a
+    time: the step's FLOPs do not depend on the layout, its decode reads repeat once per generation round
+    (``completions / generation_batch`` rounds), so a smaller generation batch has a higher floor."""
+    one = floor_estimate(policy, generation_batch, prompt_len, completion_len, grad_ckpt)
+    rounds = completions / generation_batch
+    return {k: (v * rounds if k != "prompt_len" else v) for k, v in one.items()}
+
+
 def log(msg: str, rank: int = 0) -> None:
     if rank == 0:
         print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
@@ -186,7 +202,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=5, help="timed steps per variant (after --warmup)")
     p.add_argument("--warmup", type=int, default=1, help="untimed first steps per variant")
     p.add_argument("--rounds", type=int, default=1, help="repeat the variant cycle; timings pooled")
-    p.add_argument("--per-device-batch", type=int, default=8, help="completions per device per step")
+    p.add_argument("--per-device-batch", type=int, default=8,
+                   help="completions per device per micro-batch (per_device_train_batch_size)")
+    p.add_argument("--grad-accum", type=int, default=1, help="gradient_accumulation_steps (micro-batches per step)")
+    p.add_argument("--steps-per-generation", type=int, default=None,
+                   help="micro-batches per generation round (default: TRL's, = --grad-accum)")
+    p.add_argument("--grid", action="store_true",
+                   help="driver: for each of --grid-variants, every micro-batch x generation batch at "
+                        "--completions-per-step (whole groups per round, no sampling ahead of the optimizer), each a "
+                        "fresh launch of --nproc ranks under --mem-cap-gb; prints tokens/s and the floor multiple per row")
+    p.add_argument("--completions-per-step", type=int, default=1024,
+                   help="--grid: completions per device per optimizer step, kept by every row")
+    p.add_argument("--grid-variants", default="stock,patched-speed", help="--grid: variants compared")
+    p.add_argument("--grid-micro-batches", default=None,
+                   help="--grid: comma-separated micro-batches (default: the powers of two dividing "
+                        "--completions-per-step, from --num-generations / 2 up)")
+    p.add_argument("--grid-generation-batches", default=None,
+                   help="--grid: comma-separated generation batches per device kept (default: all)")
+    p.add_argument("--dry-run", action="store_true", help="--grid: list the grid, its floors and commands; run nothing")
+    p.add_argument("--grid-all", action="store_true",
+                   help="--grid: also launch rows that grpo_patches.preflight predicts do not fit under --mem-cap-gb")
     p.add_argument("--num-generations", type=int, default=8)
     p.add_argument("--completion-len", type=int, default=256)
     p.add_argument("--reward-chunk-size", type=int, default=None, help="patched variants' reward_chunk_size")
@@ -220,9 +255,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     bad = [v for v in args.variant_list if v not in VARIANTS]
     if bad:
         p.error(f"unknown variants {bad}; choose from {list(VARIANTS)}")
-    if args.per_device_batch % args.num_generations:
-        p.error(f"--per-device-batch {args.per_device_batch} must be a multiple of --num-generations "
-                f"{args.num_generations} (the patched trainer refuses group-splitting shapes)")
+    round_size = args.per_device_batch * (args.steps_per_generation or args.grad_accum)
+    if round_size % args.num_generations:
+        p.error(f"--per-device-batch {args.per_device_batch} x steps per generation must be a multiple of "
+                f"--num-generations {args.num_generations} (the patched trainer refuses group-splitting shapes)")
+    bad = [v for v in args.grid_variants.split(",") if v.strip() and v.strip() not in VARIANTS]
+    if args.grid and bad:
+        p.error(f"unknown --grid-variants {bad}; choose from {list(VARIANTS)}")
     return args
 
 
@@ -290,7 +329,7 @@ def build_templates(args, device, dtype):
 def build_dataset(args, world_size: int, vocab_size: int):
     from datasets import Dataset
 
-    prompts_per_step = max(1, args.per_device_batch * world_size // args.num_generations)
+    prompts_per_step = max(1, args.per_device_batch * args.grad_accum * world_size // args.num_generations)
     n_rows = max(64, 2 * prompts_per_step * (args.warmup + args.steps) * args.rounds)
     rng = random.Random(args.seed)
     rows = [{"prompt": " ".join(f"t{rng.randrange(len(SPECIAL), vocab_size)}" for _ in range(PROMPT_WORDS))}
@@ -516,6 +555,8 @@ def run_variant(args, variant: str, round_idx: int, ctx: dict[str, Any]) -> dict
     total_steps = args.warmup + args.steps
     config = GRPOConfig(
         output_dir=ctx["tmpdir"], per_device_train_batch_size=args.per_device_batch,
+        gradient_accumulation_steps=args.grad_accum,
+        **({"steps_per_generation": args.steps_per_generation} if args.steps_per_generation else {}),
         num_generations=args.num_generations, max_completion_length=args.completion_len,
         max_steps=total_steps, gradient_checkpointing=args.grad_ckpt == "on",
         bf16=cuda, use_cpu=not cuda, report_to=[], save_strategy="no", logging_steps=1,
@@ -582,8 +623,9 @@ def run_variant(args, variant: str, round_idx: int, ctx: dict[str, Any]) -> dict
         "build_s": build_s, "train_s": train_s, "dynamo_graphs": graphs, "steps_recorded": len(timer.steps),
         "warmup_steps": [derive(s) for s in timer.steps[: args.warmup]],
         "timed_steps": derived, "summary": summary, "trainable_params": trainable, **mem,
-        "floor": floor_estimate(args.policy, args.per_device_batch, ctx["prompt_tokens"], args.completion_len,
-                                args.grad_ckpt == "on"),
+        "floor": step_floor(args.policy, args.per_device_batch * args.grad_accum,
+                            args.per_device_batch * (args.steps_per_generation or args.grad_accum),
+                            ctx["prompt_tokens"], args.completion_len, args.grad_ckpt == "on"),
     }
 
 
@@ -648,6 +690,7 @@ def worker(args) -> int:
     meta = {
         "run_id": run_id, "tag": args.tag, "policy": args.policy, "grad_ckpt": args.grad_ckpt,
         "per_device_batch": args.per_device_batch, "num_generations": args.num_generations,
+        "grad_accum": args.grad_accum, "steps_per_generation": args.steps_per_generation,
         "completion_len": args.completion_len, "steps": args.steps, "warmup": args.warmup,
         "rounds": args.rounds, "mem_cap_gb": args.mem_cap_gb, "reward_chunk_size": args.reward_chunk_size,
         "reward_model_param_bytes": rm_bytes,
@@ -835,6 +878,145 @@ def probe_throughput(probe_out: Path, variant: str, batch: int) -> float | None:
     steps = steps[1:] if len(steps) > 1 else steps
     seconds = sum(s["step_s"] for s in steps)
     return sum(s["completion_tokens"] for s in steps) / seconds * recs[-1]["world_size"] if seconds else None
+
+
+# ------------------------------------------------------------------------------------------ grid
+
+
+def grid_rows(args) -> list[dict[str, Any]]:
+    """Every (variant, micro-batch b, generation round s) at ``--completions-per-step`` N per device: b divides
+    N (accumulation a = N / b), s divides a (no round feeds two optimizer steps, so TRL computes no extra
+    old-log-prob pass), b x s a multiple of ``--num-generations`` (whole groups per rank per round)."""
+    n, ng = args.completions_per_step, args.num_generations
+    micro = ([int(x) for x in args.grid_micro_batches.split(",")] if args.grid_micro_batches else
+             [b for b in (2**k for k in range(n.bit_length())) if b >= max(1, ng // 2) and n % b == 0])
+    keep = {int(x) for x in args.grid_generation_batches.split(",")} if args.grid_generation_batches else None
+    rows = []
+    for variant in [v.strip() for v in args.grid_variants.split(",") if v.strip()]:
+        for b in micro:
+            if n % b:
+                raise SystemExit(f"--grid-micro-batches: {b} does not divide --completions-per-step {n}")
+            a = n // b
+            for steps in (d for d in range(1, a + 1) if a % d == 0):
+                gen = b * steps
+                if gen % ng or (keep is not None and gen not in keep):
+                    continue
+                rows.append({"variant": variant, "micro_batch": b, "grad_accum": a, "steps_per_generation": steps,
+                             "generation_batch": gen, "tag": f"grid {variant} b{b} s{steps}"})
+    return rows
+
+
+def grid_command(args, row: dict[str, Any], out: Path) -> list[str]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),
+           str(Path(__file__).resolve()), "--probe", "--policy", args.policy, "--variants", row["variant"],
+           "--grad-ckpt", args.grad_ckpt, "--steps", str(args.steps), "--warmup", str(args.warmup),
+           "--per-device-batch", str(row["micro_batch"]), "--grad-accum", str(row["grad_accum"]),
+           "--steps-per-generation", str(row["steps_per_generation"]), "--num-generations", str(args.num_generations),
+           "--completion-len", str(args.completion_len), "--seed", str(args.seed), "--out", str(out),
+           "--tag", row["tag"]]
+    if args.mem_cap_gb:
+        cmd += ["--mem-cap-gb", str(args.mem_cap_gb)]
+    if args.reward_chunk_size:
+        cmd += ["--reward-chunk-size", str(args.reward_chunk_size)]
+    return cmd
+
+
+def predicted_gib(args, row: dict[str, Any]) -> float:
+    """``grpo_patches.preflight``'s peak for the row (GiB on rank 0, allocator only: the cap leaves the CUDA
+    context out), with the variant's fast_generation / lean_lora; compile_training is not modelled."""
+    from grpo_patches.preflight import RewardModelSpec, preflight
+
+    options = VARIANTS[row["variant"]][0] or {}
+    speed = bool(options.get("speed"))
+    config = {"per_device_train_batch_size": row["micro_batch"], "gradient_accumulation_steps": row["grad_accum"],
+              "steps_per_generation": row["steps_per_generation"], "num_generations": args.num_generations,
+              "max_completion_length": args.completion_len, "gradient_checkpointing": args.grad_ckpt == "on"}
+    report = preflight(model_config(args.policy), grpo_config=config, world_size=args.nproc,
+                       reward_models=[RewardModelSpec(config=model_config(REWARD_MODEL[args.policy], num_labels=1))],
+                       prompt_length=PROMPT_WORDS + 1, overhead_gb=0.0, fragmentation=0.0, raise_on_error=False,
+                       warn=False, fast_generation=options.get("fast_generation", speed),
+                       lean_lora=options.get("lean_lora", speed))
+    return report.peak / GiB
+
+
+def run_grid(args) -> int:
+    """Driver: one fresh launch per grid row (``grid_rows``), each must finish ``--warmup`` + ``--steps`` steps;
+    prints per row completion tokens/s over the timed steps, the step time, the step's floor (``step_floor``)
+    and the multiple, and the best row per variant. ``--dry-run``: the rows, their floors and one command."""
+    out = Path(args.out) if args.out else default_out_dir()
+    runs = out / "grid"
+    rows = grid_rows(args)
+    prompt_len = PROMPT_WORDS + 1  # the worker measures it (one token per word and a BOS); the dry run assumes it
+    for row in rows:
+        fl = step_floor(args.policy, args.completions_per_step, row["generation_batch"], prompt_len,
+                        args.completion_len, args.grad_ckpt == "on")
+        row["floor_s"] = fl["floor_s"]
+        row["predicted_gib"] = predicted_gib(args, row)
+        row["launch"] = args.grid_all or not args.mem_cap_gb or row["predicted_gib"] <= args.mem_cap_gb
+    cap = f" under a {args.mem_cap_gb:g} GiB cap" if args.mem_cap_gb else ""
+    log(f"grid: {len(rows)} rows, {args.completions_per_step} completions per device per step, policy {args.policy}, "
+        f"{args.nproc} rank(s){cap}")
+    if args.dry_run:
+        print(f"{'variant':<16} {'micro':>5} {'accum':>5} {'steps/gen':>9} {'gen batch':>9} {'floor s':>8} "
+              f"{'pred GiB':>8}  launch")
+        for r in rows:
+            print(f"{r['variant']:<16} {r['micro_batch']:>5} {r['grad_accum']:>5} {r['steps_per_generation']:>9} "
+                  f"{r['generation_batch']:>9} {r['floor_s']:>8.3f} {r['predicted_gib']:>8.2f}  "
+                  f"{'yes' if r['launch'] else 'no (predicted over the cap)'}")
+        if rows:
+            print("first command: " + " ".join(grid_command(args, rows[0], runs)))
+        return 0
+    out.mkdir(parents=True, exist_ok=True)
+    for row in rows:
+        if not row["launch"]:
+            row["status"] = f"skipped: predicted {row['predicted_gib']:.1f} GiB"
+            continue
+        env = dict(os.environ, BENCH_RUN_ID=f"grid-{row['tag'].replace(' ', '-')}-{time.strftime('%H%M%S')}",
+                   PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+        try:
+            proc = subprocess.run(grid_command(args, row, runs), env=env, capture_output=True, text=True,
+                                  timeout=args.probe_timeout)
+            ok, output = proc.returncode == 0, proc.stdout + proc.stderr
+        except subprocess.TimeoutExpired:
+            ok, output = False, "timed out"
+        recs = [r for r in load_jsonl(runs / "results.jsonl") if r.get("tag") == row["tag"]]
+        steps = recs[-1]["timed_steps"] if ok and recs else []
+        if steps:
+            seconds = sum(st["step_s"] for st in steps)
+            row["tokens_per_s"] = sum(st["completion_tokens"] for st in steps) / seconds * recs[-1]["world_size"]
+            row["step_s"] = statistics.median(st["step_s"] for st in steps)
+            row["floor_s"] = recs[-1]["floor"]["floor_s"]  # with the measured prompt length
+            row["x_floor"] = row["step_s"] / row["floor_s"]
+        row["status"] = "ok" if steps else ("OOM" if "out of memory" in output.lower() else "failed")
+        if row["status"] != "ok":
+            runs.mkdir(parents=True, exist_ok=True)
+            (runs / f"failed-{row['tag'].replace(' ', '-')}.log").write_text(output[-20000:])
+        log(f"{row['tag']}: {row['status']}" + (f", {row['tokens_per_s']:.0f} tokens/s, {row['x_floor']:.2f}x the "
+                                               f"floor" if steps else f" (floor {row['floor_s']:.3f} s)"))
+        with open(out / "grid.jsonl", "a") as fh:
+            fh.write(json.dumps({**row, "policy": args.policy, "completions_per_step": args.completions_per_step,
+                                 "mem_cap_gb": args.mem_cap_gb, "world_size": args.nproc,
+                                 "date": _dt.datetime.now().isoformat(timespec="seconds")}) + "\n")
+    print(grid_table(rows))
+    return 0
+
+
+def grid_table(rows: list[dict[str, Any]]) -> str:
+    """The grid as markdown, the best row per variant marked (highest tokens/s)."""
+    best = {}
+    for r in rows:
+        if r.get("tokens_per_s") and r["tokens_per_s"] > best.get(r["variant"], {}).get("tokens_per_s", 0):
+            best[r["variant"]] = r
+    lines = ["| variant | micro-batch | accum | steps/gen | gen batch | tokens/s | step s | floor s | x floor | status |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        mark = " (best)" if best.get(r["variant"]) is r else ""
+        tps = f"{r['tokens_per_s']:.0f}{mark}" if r.get("tokens_per_s") else ""
+        step = f"{r['step_s']:.3f}" if r.get("step_s") else ""
+        xf = f"{r['x_floor']:.2f}" if r.get("x_floor") else ""
+        lines.append(f"| {r['variant']} | {r['micro_batch']} | {r['grad_accum']} | {r['steps_per_generation']} | "
+                     f"{r['generation_batch']} | {tps} | {step} | {r['floor_s']:.3f} | {xf} | {r.get('status', '')} |")
+    return "\n".join(lines)
 
 
 # -------------------------------------------------------------------------------------- reports
@@ -1146,6 +1328,10 @@ def main() -> None:
         write_reports(out)
         print(f"[bench] merged {n} record(s) from unmerged parts; wrote {out / 'results.md'}", flush=True)
         sys.exit(0)
+    if args.grid and not args.probe:
+        if "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            sys.exit("--grid is a driver: run it with plain python (it launches one run per row)")
+        sys.exit(run_grid(args))
     if args.find_max_batch and not args.probe:
         if "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1:
             sys.exit("--find-max-batch is a driver: run it with plain python (it launches the probes)")

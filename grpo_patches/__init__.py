@@ -19,7 +19,8 @@ What the patch does to each trainer built afterwards:
   ``reward_timeout`` on any rank into an error on every rank, naming the function and the rank.
 * on request, samples through compiled decoding (``fast_generation``), lets the policy's LoRA
   layers skip PEFT's fp32 copy of their inputs under autocast (``lean_lora``) and compiles its
-  decoder layers for the training forward and backward (``compile_training``).
+  decoder layers for the training forward and backward (``compile_training``); ``speed=True``
+  turns all three on.
 
 Besides the patch: :mod:`grpo_patches.defaults` (pinned LoRA / GRPO settings as real PEFT / TRL
 config objects), :func:`preflight` (per-rank memory estimate on the meta device, before a step
@@ -82,9 +83,10 @@ def apply(
     reward_timeout: float = 600.0,
     reward_failure: str = "raise",
     strict: bool = True,
-    fast_generation: bool | dict | Any = False,
-    lean_lora: bool = False,
-    compile_training: bool = False,
+    fast_generation: bool | dict | Any = None,
+    lean_lora: bool | None = None,
+    compile_training: bool | None = None,
+    speed: bool = False,
     targets: tuple[str, ...] = TARGETS,
 ) -> bool:
     """Patch ``trl.GRPOTrainer`` in place; returns whether a patch is active afterwards.
@@ -98,9 +100,11 @@ def apply(
     """
     from .generation import FastGenerationConfig
 
+    fast = _options.resolve_speed(speed, fast_generation=fast_generation, lean_lora=lean_lora,
+                                  compile_training=compile_training)
     opts = _options.PatchOptions(reward_placement, reward_chunk_size, reward_timeout, strict,
-                                 FastGenerationConfig.coerce(fast_generation), lean_lora, compile_training,
-                                 reward_failure)
+                                 FastGenerationConfig.coerce(fast["fast_generation"]), fast["lean_lora"],
+                                 fast["compile_training"], reward_failure)
     chosen = tuple(targets) if isinstance(targets, list | tuple) else (targets,)
     if not chosen or any(t not in TARGETS for t in chosen):
         raise ValueError(f"grpo_patches.apply: targets={targets!r}; expected a non-empty tuple of {TARGETS}.")

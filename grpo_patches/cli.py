@@ -3,7 +3,9 @@
 ``grpo-patches doctor`` runs :func:`grpo_patches.preflight.preflight` and prints the component x rank
 memory table; it exits 1 when the run would fail (a group split across ranks, a predicted peak over
 ``--gpu-memory-gb``), so it can gate a launch script: ``grpo-patches doctor ... && accelerate launch``.
-``--plan`` tries every layout (:mod:`grpo_patches.preflight.plan`) and exits 1 when none fits. Bad
+``--plan`` tries every layout (:mod:`grpo_patches.preflight.plan`) and exits 1 when none fits; ``--tune``
+every micro-batch x generation batch at the user's completions per step (:mod:`grpo_patches.preflight.tune`),
+the same. Bad
 input (a misspelt flag or ``--set`` name, a bad value) exits 2 with the command's own usage and the
 closest valid names. ``--json`` prints the same report as one JSON object for other tools.
 """
@@ -79,6 +81,14 @@ def _add_doctor(sub: Any) -> None:
     p.add_argument("--plan", action="store_true",
                    help="try every sharding x base precision x offload x checkpointing x reward placement, print those "
                    "that fit, cheapest first; exit 1 when none fits")
+    p.add_argument("--tune", action="store_true",
+                   help="keep the completions per optimizer step (per_device_train_batch_size x "
+                   "gradient_accumulation_steps x world size) and try every micro-batch x generation batch that holds "
+                   "whole groups; print each with its memory and pick the largest micro-batch that fits with 2 GiB "
+                   "free, then the largest generation batch; exit 1 when none fits")
+    p.add_argument("--allow-sample-ahead", action="store_true",
+                   help="--tune may also sample ahead of the optimizer (steps_per_generation 2x or 4x "
+                   "gradient_accumulation_steps), at the cost of a no-grad forward per micro-batch for the old log-probs")
     for name, default, what in (("link-gbps", 10.0, "GPU interconnect GB/s per GPU"),
                                 ("host-gbps", 10.0, "host->GPU GB/s per GPU"),
                                 ("hbm-gbps", 900.0, "GPU memory GB/s"), ("tflops", 70.0, "GPU bf16 TFLOPS")):
@@ -90,8 +100,9 @@ def _doctor(args: argparse.Namespace) -> int:
     if args.model is None:
         args.parser.print_help()
         raise ValueError("give the policy with --model: a Hub model id, a config.json path or folder, or a preset.")
-    if args.plan and args.gpu_memory_gb is None:
-        raise ValueError("--plan needs --gpu-memory-gb (memory per GPU in GiB).")
+    for flag in ("plan", "tune"):
+        if getattr(args, flag) and args.gpu_memory_gb is None:
+            raise ValueError(f"--{flag} needs --gpu-memory-gb (memory per GPU in GiB).")
     from grpo_patches.defaults import lora_config
     from grpo_patches.preflight import RewardModelSpec, preflight
 
@@ -101,6 +112,18 @@ def _doctor(args: argparse.Namespace) -> int:
     settings.update(dict(args.settings))
     lora = lora_config(**dict(args.lora)) if args.lora else None
     rewards = [RewardModelSpec(config=c, dtype=args.reward_dtype) for c in args.reward_model]
+    if args.tune:
+        from grpo_patches.preflight.tune import tune
+
+        tuning = tune(args.model, gpu_memory_gb=args.gpu_memory_gb, grpo_config=settings or None,
+                      world_size=args.world_size, allow_sample_ahead=args.allow_sample_ahead, lora_config=lora,
+                      reward_models=rewards, reward_placement=args.reward_placement, prompt_length=args.prompt_length,
+                      dtype=args.dtype, logits_mode=args.logits_mode, fast_generation=args.fast_generation,
+                      lean_lora=args.lean_lora, sharding=args.sharding, quantization=args.quantization,
+                      double_quant=args.double_quant, offload_base=args.offload_base or None,
+                      deepspeed_config=args.deepspeed_config)
+        print(json.dumps(tuning.to_dict(), indent=1) if args.json else tuning)
+        return 0 if tuning.best is not None else 1
     if args.plan:
         from grpo_patches.preflight.plan import CostModel, plan
 

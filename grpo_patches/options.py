@@ -4,13 +4,40 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from .generation import FastGenerationConfig
 from .rewards import PLACEMENTS, REWARD_FAILURES
 
-__all__ = ["MAX_REWARD_TIMEOUT", "PatchOptions"]
+__all__ = ["MAX_REWARD_TIMEOUT", "SPEED_OPTIONS", "PatchOptions", "resolve_speed"]
 
 MAX_REWARD_TIMEOUT = 86400.0  # one day: longer is a hang by any measure (and overflows timers past ~1e9 s)
+
+#: What ``apply(speed=True)`` turns on: the GPU path measured fastest at every batch tried (docs/performance.md).
+SPEED_OPTIONS = ("fast_generation", "lean_lora", "compile_training")
+
+
+def resolve_speed(speed: bool, **given: Any) -> dict[str, Any]:
+    """The three speed options after the ``speed`` switch: one given (not ``None``) wins, ``None`` follows it.
+
+    Refused here, naming the option, where the switch would turn on one that cannot apply, so a user
+    learns which one to pass as ``False`` rather than getting a speed path with a piece silently missing.
+    """
+    if not isinstance(speed, bool):
+        raise TypeError(
+            f"grpo_patches.apply: speed={speed!r} must be True ({', '.join(SPEED_OPTIONS)} on, each still "
+            f"overridable) or False (each as given, off by default)."
+        )
+    out = {name: (speed if given[name] is None else given[name]) for name in SPEED_OPTIONS}
+    if speed and given["lean_lora"] is None:
+        from .lean_lora import check_supported
+
+        try:
+            check_supported()
+        except ValueError as exc:
+            raise ValueError(f"grpo_patches.apply: speed=True turns on lean_lora, which cannot apply here: {exc} "
+                             f"Pass lean_lora=False to keep fast_generation and compile_training.") from exc
+    return out
 
 
 @dataclass(frozen=True)
@@ -25,6 +52,9 @@ class PatchOptions:
     reward_failure: str = "raise"
 
     def __post_init__(self) -> None:
+        for name in ("lean_lora", "compile_training"):  # None: not given (a fork's config default), so off
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, False)
         if self.reward_placement not in PLACEMENTS:
             raise ValueError(
                 f"grpo_patches.apply: reward_placement={self.reward_placement!r} is not one of {PLACEMENTS}: "

@@ -44,19 +44,24 @@ OPTIONS: tuple[Option, ...] = (
     Option("strict", True, "bool",
            "on a TRL release outside the tested range raise :class:`UnsupportedVersionError`; with ``False``, "
            "warn and patch nothing."),
-    Option("fast_generation", False, "bool",
+    Option("fast_generation", None, "bool | None",
            "compiled decoding under a static KV cache with dropout off while sampling (``True``, a dict of "
            ":class:`~grpo_patches.generation.FastGenerationConfig` fields, or such a config); on CPU it warns "
-           "once and samples eagerly."),
-    Option("lean_lora", False, "bool",
+           "once and samples eagerly. ``None``: as ``speed``."),
+    Option("lean_lora", None, "bool | None",
            "under bf16 / fp16 autocast, the policy's LoRA layers run their dropout and adapter on the input as "
            "it is, skipping PEFT's fp32 copy (autocast rounds the adapter's input back anyway, so values are "
            "unchanged; dropout masks are drawn by another kernel). Saves memory traffic and transient memory in "
-           "every training forward and backward."),
-    Option("compile_training", False, "bool",
+           "every training forward and backward. ``None``: as ``speed``; needs peft >= 0.15."),
+    Option("compile_training", None, "bool | None",
            "the policy's decoder layers run compiled (inductor) whenever autograd is on (the training forward "
            "and its recomputation), eager otherwise (sampling). Fewer, fused kernels; not bit-identical to eager "
-           "(rounding, dropout masks). One process or DDP."),
+           "(rounding, dropout masks); the first steps compile. One process or DDP. ``None``: as ``speed``."),
+    Option("speed", False, "bool",
+           "the GPU path measured fastest at every batch tried: ``fast_generation``, ``lean_lora`` and "
+           "``compile_training`` on, each still set by its own option when given (``speed=True, "
+           "compile_training=False`` keeps stock's training numerics). Refused, naming the option, where one "
+           "of them cannot apply. Off by default: it changes what is sampled and the training numerics."),
     Option("targets", ("trl", "vendored"), "tuple[str, ...]",
            'which trainers to patch: ``"trl"`` (``trl.GRPOTrainer``) and/or ``"vendored"`` (the vendored '
            "DeepSeekMath-style trainer). Both by default, and then only if the installed TRL is patched; "

@@ -8,7 +8,8 @@ The pipeline, one module per stage, each value computed once and passed down (:m
 resolve the settings (:mod:`.settings`) -> count the parameters (:mod:`.count`) -> place the frozen
 base (:mod:`.layout`) -> estimate each rank (:mod:`.estimate`, with the measured coefficients of
 ``coefficients.json``) -> advise (:mod:`.advise`) -> the report (:mod:`.report`). :mod:`.plan` runs the
-pipeline once per layout for ``doctor --plan``.
+pipeline once per layout for ``doctor --plan``, :mod:`.tune` once per micro-batch x generation batch at the
+user's completions per step for ``doctor --tune``.
 
 Memory model (bytes; "act" = the autocast compute dtype: 2 for bf16/fp16, 4 for fp32; "w" = the
 dtype the frozen policy weights are loaded in; T = training micro-batch tokens = B * (P + C);

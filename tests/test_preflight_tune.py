@@ -1,0 +1,105 @@
+"""``doctor --tune``: every layout at the user's completions per optimizer step, the memory of each, the pick."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from grpo_patches.cli import main as cli_main
+from grpo_patches.grouping import check_group_shape
+from grpo_patches.preflight.report import GiB
+from grpo_patches.preflight.tune import tune
+
+USER = {"per_device_train_batch_size": 32, "gradient_accumulation_steps": 32}  # 1024 completions per step
+
+
+def test_a_1_5b_policy_on_24_gib_gets_a_micro_batch_that_fits_at_the_same_completions_per_step():
+    t = tune("qwen2-1.5b", gpu_memory_gb=24, grpo_config=USER)
+    best = t.best
+    assert t.completions_per_step == 1024
+    assert all(c.micro_batch * c.accumulation == 1024 for c in t.candidates)
+    assert best is not None and best.required + 2 * GiB <= 24 * GiB
+    # the rule: no fitting candidate has a larger micro-batch, nor the same one with a larger generation batch
+    assert not [c for c in t.candidates if c.fits and (c.micro_batch, c.generation_batch)
+                > (best.micro_batch, best.generation_batch)]
+    # and something larger than the pick was tried and does not fit: the pick is the memory's limit, not the grid's
+    assert [c for c in t.candidates if c.micro_batch > best.micro_batch and not c.fits]
+    assert best.generation_batch == best.micro_batch * best.steps_per_generation
+    assert not best.sample_ahead
+
+
+@pytest.mark.parametrize(("world_size", "num_generations"), [(1, 4), (2, 6), (4, 16)])
+def test_every_candidate_holds_whole_groups_per_rank_per_round(world_size, num_generations):
+    user = {"per_device_train_batch_size": 12, "gradient_accumulation_steps": 4, "num_generations": num_generations}
+    t = tune("qwen2.5-0.5b", gpu_memory_gb=80, grpo_config=user, world_size=world_size, allow_sample_ahead=True)
+    assert t.candidates
+    for c in t.candidates:
+        check_group_shape(per_device_batch_size=c.micro_batch, steps_per_generation=c.steps_per_generation,
+                          num_generations=num_generations, world_size=world_size)
+        assert c.micro_batch * c.accumulation == 48
+    # each layout of 48 per rank whose rounds hold whole groups is listed (none dropped but those that cut one)
+    listed = {(c.micro_batch, c.steps_per_generation) for c in t.candidates}
+    expected = {(b, s) for b in range(1, 49) if 48 % b == 0
+                for s in [d for d in range(1, 48 // b + 1) if (48 // b) % d == 0] + [2 * 48 // b, 4 * 48 // b]
+                if (b * s) % num_generations == 0}
+    assert listed == expected
+
+
+def test_sampling_ahead_only_when_allowed_and_its_extra_pass_counted():
+    plain = tune("qwen2.5-0.5b", gpu_memory_gb=80, grpo_config=USER)
+    ahead = tune("qwen2.5-0.5b", gpu_memory_gb=80, grpo_config=USER, allow_sample_ahead=True)
+    assert not [c for c in plain.candidates if c.steps_per_generation > c.accumulation]
+    extra = [c for c in ahead.candidates if c.steps_per_generation > c.accumulation]
+    assert extra and all(c.sample_ahead and c.passes == 2 * c.accumulation for c in extra)
+    assert all(c.passes == c.accumulation for c in plain.candidates)
+
+
+def test_doctor_tune_prints_every_candidate_and_the_pick(capsys):
+    argv = ["doctor", "--model", "qwen2-1.5b", "--gpu-memory-gb", "24", "--tune",
+            "--set", "per_device_train_batch_size=32", "--set", "gradient_accumulation_steps=32"]
+    assert cli_main(argv) == 0
+    text = capsys.readouterr().out
+    assert "pick: per_device_train_batch_size=" in text and "generation batch" in text and "<- pick" in text
+    assert cli_main([*argv, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    pick = data["pick"]
+    assert data["completions_per_step"] == 1024 and pick["fits"]
+    assert pick["per_device_train_batch_size"] * pick["gradient_accumulation_steps"] == 1024
+    assert pick["generation_batch_size"] == pick["per_device_train_batch_size"] * pick["steps_per_generation"]
+    assert len(data["candidates"]) == len(tune("qwen2-1.5b", gpu_memory_gb=24, grpo_config=USER).candidates)
+
+
+def test_nothing_fitting_exits_1_naming_the_closest(capsys):
+    argv = ["doctor", "--model", "qwen2-1.5b", "--gpu-memory-gb", "6", "--tune",
+            "--set", "per_device_train_batch_size=8", "--set", "gradient_accumulation_steps=2"]
+    assert cli_main(argv) == 1
+    text = capsys.readouterr().out
+    t = tune("qwen2-1.5b", gpu_memory_gb=6, grpo_config={"per_device_train_batch_size": 8,
+                                                        "gradient_accumulation_steps": 2})
+    closest = min(t.candidates, key=lambda c: c.required)
+    assert t.best is None and "none fits" in text
+    assert (f"closest: per_device_train_batch_size={closest.micro_batch}, gradient_accumulation_steps="
+            f"{closest.accumulation}, steps_per_generation={closest.steps_per_generation}") in text
+    assert cli_main([*argv, "--json"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert data["pick"] is None and data["closest"]["required_gib"] == round(closest.required / GiB, 3)
+
+
+def test_tune_needs_the_gpu_memory(capsys):
+    assert cli_main(["doctor", "--model", "qwen2-1.5b", "--tune"]) == 2
+    assert "--tune needs --gpu-memory-gb" in capsys.readouterr().err
+
+
+def test_the_micro_batch_comes_before_the_generation_batch():
+    """Where the largest micro-batch cannot reach the largest generation batch that fits, it still wins."""
+    import dataclasses
+
+    t = tune("qwen2-1.5b", gpu_memory_gb=24, grpo_config=USER)
+    top = t.best
+    fitting_gens = {c.generation_batch for c in t.candidates if c.fits and c.micro_batch == top.micro_batch}
+    # drop the pick's own largest generation batch: a smaller micro-batch still reaches it
+    grid = dataclasses.replace(t, candidates=[c for c in t.candidates if c is not top])
+    assert [c for c in grid.candidates if c.fits and c.generation_batch == top.generation_batch]
+    assert grid.best.micro_batch == top.micro_batch
+    assert grid.best.generation_batch == max(fitting_gens - {top.generation_batch})
