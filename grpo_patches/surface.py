@@ -23,6 +23,7 @@ class Option:
     default: object
     annotation: str
     help: str
+    fork_help: str = ""  # the GRPOConfig field's help in a patched fork, where it differs from apply()'s
 
 
 OPTIONS: tuple[Option, ...] = (
@@ -47,16 +48,24 @@ OPTIONS: tuple[Option, ...] = (
     Option("fast_generation", None, "bool | None",
            "compiled decoding under a static KV cache with dropout off while sampling (``True``, a dict of "
            ":class:`~grpo_patches.generation.FastGenerationConfig` fields, or such a config); on CPU it warns "
-           "once and samples eagerly. ``None``: as ``speed``."),
+           "once and samples eagerly. ``None``: as ``speed``.",
+           "``True``: compiled decoding under a static KV cache with dropout off while sampling, with its default "
+           "settings (TRL 0.29+; the dict / config forms of ``apply()`` are not offered here); on CPU it warns "
+           "once and samples eagerly. ``None`` or ``False``: off."),
     Option("lean_lora", None, "bool | None",
            "under bf16 / fp16 autocast, the policy's LoRA layers run their dropout and adapter on the input as "
            "it is, skipping PEFT's fp32 copy (autocast rounds the adapter's input back anyway, so values are "
            "unchanged; dropout masks are drawn by another kernel). Saves memory traffic and transient memory in "
-           "every training forward and backward. ``None``: as ``speed``; needs peft >= 0.15."),
+           "every training forward and backward. ``None``: as ``speed``; needs peft >= 0.15.",
+           "under bf16 / fp16 autocast, the policy's LoRA layers skip PEFT's fp32 copy of their input (values "
+           "unchanged; dropout masks drawn by another kernel); needs peft >= 0.15. ``None`` or ``False``: off."),
     Option("compile_training", None, "bool | None",
            "the policy's decoder layers run compiled (inductor) whenever autograd is on (the training forward "
            "and its recomputation), eager otherwise (sampling). Fewer, fused kernels; not bit-identical to eager "
-           "(rounding, dropout masks); the first steps compile. One process or DDP. ``None``: as ``speed``."),
+           "(rounding, dropout masks); the first steps compile. One process or DDP. ``None``: as ``speed``.",
+           "the policy's decoder layers run compiled (inductor) whenever autograd is on, eager otherwise "
+           "(sampling); not bit-identical to eager; the first steps compile. One process or DDP. ``None`` or "
+           "``False``: off."),
     Option("speed", False, "bool",
            "the GPU path measured fastest at every batch tried: ``fast_generation``, ``lean_lora`` and "
            "``compile_training`` on, each still set by its own option when given (``speed=True, "

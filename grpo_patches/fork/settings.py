@@ -50,7 +50,7 @@ def settings(modules: list[str]) -> list[Setting]:
         if option.name not in fields:
             raise BundleError(f"apply({option.name}=...) is read by the bundle but is not a PatchOptions field; "
                               f"teach grpo_patches/fork how it becomes an option")
-        out.append(Setting(option.name, option.default, option.annotation, option.help))
+        out.append(Setting(option.name, option.default, option.annotation, option.fork_help or option.help))
     return out
 
 
