@@ -153,3 +153,17 @@ def test_patched_vendored_trainer_behaves_like_the_monkeypatch(tmp_path, tmp_pat
     assert fork["on"]["fast_calls"] == 1 and kit["on"]["fast_calls"] == 1  # sample() went the fast way
     for label in ("off", "on"):
         assert fork[label]["metrics"] == pytest.approx(kit[label]["metrics"], abs=1e-6), label
+
+
+def test_the_kit_free_smoke_script_passes_on_the_patched_fork_and_fails_on_stock(tmp_path_factory, tmp_path):
+    """examples/fork_smoke.py, what a fork maintainer runs: OK with the patched release and no kit; with this
+    environment's stock TRL (and the kit importable) it names what is missing."""
+    script = str(ROOT / "examples" / "fork_smoke.py")
+    clean = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    fork = subprocess.run([str(fork_python(ENDS[-1], tmp_path_factory)), script, "--timeout", "240"], cwd=tmp_path,
+                          capture_output=True, text=True, env=clean, timeout=300)
+    assert fork.returncode == 0 and "fork smoke: OK" in fork.stdout, fork.stdout[-3000:] + fork.stderr[-3000:]
+    stock = subprocess.run([sys.executable, script, "--timeout", "240"], cwd=tmp_path, capture_output=True, text=True,
+                           env=clean, timeout=300)
+    assert stock.returncode == 1 and "fork smoke: FAILED" in stock.stdout, stock.stdout[-3000:]
+    assert "trl.trainer.grpo_rank_local is missing" in stock.stdout and "grpo_patches is importable" in stock.stdout
