@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,12 +18,28 @@ MAX_REWARD_TIMEOUT = 86400.0  # one day: longer is a hang by any measure (and ov
 SPEED_OPTIONS = ("fast_generation", "lean_lora", "compile_training")
 
 
+def _plain(value: Any) -> Any:
+    """A NumPy (or other ``numbers``) scalar as the Python ``bool`` / ``int`` / ``float`` it stands for, so
+    ``np.int64(8)`` or ``np.True_`` from a config file means what it says; anything else unchanged."""
+    if isinstance(value, bool | str | type(None)):
+        return value
+    if type(value).__name__ in ("bool_", "bool") and hasattr(value, "dtype"):  # numpy's bool scalar
+        return bool(value)
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    return value
+
+
 def resolve_speed(speed: bool, **given: Any) -> dict[str, Any]:
     """The three speed options after the ``speed`` switch: one given (not ``None``) wins, ``None`` follows it.
 
     Refused here, naming the option, where the switch would turn on one that cannot apply, so a user
     learns which one to pass as ``False`` rather than getting a speed path with a piece silently missing.
     """
+    speed = _plain(speed)
+    given = {name: _plain(value) for name, value in given.items()}
     if not isinstance(speed, bool):
         raise TypeError(
             f"grpo_patches.apply: speed={speed!r} must be True ({', '.join(SPEED_OPTIONS)} on, each still "
@@ -52,6 +69,8 @@ class PatchOptions:
     reward_failure: str = "raise"
 
     def __post_init__(self) -> None:
+        for name in ("reward_chunk_size", "reward_timeout", "strict", "lean_lora", "compile_training"):
+            object.__setattr__(self, name, _plain(getattr(self, name)))
         for name in ("lean_lora", "compile_training"):  # None: not given (a fork's config default), so off
             if getattr(self, name) is None:
                 object.__setattr__(self, name, False)

@@ -27,6 +27,16 @@ ADAPTERS: tuple[Adapter, ...] = (V015, V016, V017, V018, TRL_V019)
 ALLOW_UNKNOWN_ENV = "GRPO_PATCHES_ALLOW_UNKNOWN"
 
 
+def _env_flag(name: str) -> bool:
+    """A yes/no environment variable as a shell user writes it; any other value is refused, naming it."""
+    raw = os.environ.get(name, "").strip().lower()
+    if raw in ("", "0", "false", "no", "off"):
+        return False
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"grpo_patches: {name}={os.environ[name]!r} must be 1 (yes) or 0 (no).")
+
+
 class UnsupportedVersionError(RuntimeError):
     """The installed TRL release is outside the tested range, or its internals moved."""
 
@@ -70,7 +80,7 @@ def select(version: Version) -> Adapter:
             f"TRL {version} generates each prompt's num_generations completions inside one process "
             f"(num_return_sequences), so groups are already rank-local; grpo_patches leaves it unpatched."
         )
-    allow_unknown = os.environ.get(ALLOW_UNKNOWN_ENV) == "1"
+    allow_unknown = _env_flag(ALLOW_UNKNOWN_ENV)
     row = _tested_row(version)
     by_key = {a.key: a for a in ADAPTERS}
     if row is not None and row.get("era") in by_key and by_key[row["era"]].covers(version):

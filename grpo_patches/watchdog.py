@@ -106,10 +106,8 @@ def _wake_signal() -> int | None:
         return None
     if not name:
         return signal.SIGRTMAX - 2 if hasattr(signal, "SIGRTMAX") else getattr(signal, "SIGUSR2", None)
-    if name.isdigit():
-        return int(name)
-    value = getattr(signal, name.upper(), None)
-    if not isinstance(value, int) or name.upper() == "SIGALRM":
+    value = int(name) if name.isdigit() else getattr(signal, name.upper(), None)
+    if not isinstance(value, int) or value not in {int(s) for s in signal.valid_signals()} or value == signal.SIGALRM:
         raise ValueError(f"{SIGNAL_ENV}={name!r} is not a usable signal name (e.g. SIGUSR2, or 'none'); "
                          f"SIGALRM is left to reward functions (math_verify's timeouts)")
     return int(value)
