@@ -33,6 +33,13 @@ import grpo_patches  # noqa: E402
 from grpo_patches.defaults import lora_config  # noqa: E402
 from grpo_patches.preflight.pipeline_split import layers_per_stage  # noqa: E402
 
+#: The random-weight models' shapes ("qwen2-1.5b-random" is Qwen2-1.5B's).
+RANDOM_SHAPES = {
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=512),
+    "qwen2-1.5b-random": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                              num_key_value_heads=2, vocab_size=151936),
+}
 PROMPTS = [f"Write the letter {c} {n} times:" for c in "abcdefgh" for n in range(2, 10)]
 
 
@@ -40,6 +47,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="tiny", help="a model path / hub name, 'tiny' (CPU test size) or "
                    "'qwen2-1.5b-random' (a random-weight model of Qwen2-1.5B's shape)")
+    p.add_argument("--untied-head", action="store_true", help="the random-weight models with an LM head of their "
+                   "own (tie_word_embeddings=False), placed on the last device; tied, it stays with the embedding")
     p.add_argument("--stages", type=int, default=2, help="devices per process")
     p.add_argument("--devices", default=None, help="comma-separated devices of this process (default: its GPUs, or cpu)")
     p.add_argument("--layers", default=None, help="comma-separated decoder layers per device (default: even split)")
@@ -108,12 +117,8 @@ def load_policy(args: argparse.Namespace, devices: list[str]):
 
     layers = [int(x) for x in args.layers.split(",")] if args.layers else None
     dtype = torch.bfloat16 if any(d.startswith("cuda") for d in devices) else torch.float32
-    if args.model in ("tiny", "qwen2-1.5b-random"):
-        shape = (dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=512) if args.model == "tiny" else
-                 dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                      num_key_value_heads=2, vocab_size=151936))
-        config = Qwen2Config(**shape, max_position_embeddings=4096, tie_word_embeddings=True, pad_token_id=0,
+    if args.model in RANDOM_SHAPES:
+        config = Qwen2Config(**RANDOM_SHAPES[args.model], max_position_embeddings=4096, tie_word_embeddings=not args.untied_head, pad_token_id=0,
                              eos_token_id=1, bos_token_id=1)
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -131,7 +136,7 @@ def load_policy(args: argparse.Namespace, devices: list[str]):
 
 
 def tokenizer_for(args: argparse.Namespace, vocab: int):
-    if args.model not in ("tiny", "qwen2-1.5b-random"):
+    if args.model not in RANDOM_SHAPES:
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(args.model)
@@ -161,9 +166,10 @@ class StepTimer:
     """Wall time per optimizer step and each device's peak memory (torch's allocator on a GPU; the
     process's peak resident set on the CPU)."""
 
-    def __init__(self) -> None:
+    def __init__(self, after_step=None) -> None:
         self.times: list[float] = []
         self._t = time.perf_counter()
+        self.after_step = after_step  # e.g. rewrite the report, so a run stopped early still leaves one
 
     def step(self) -> None:
         import torch
@@ -172,36 +178,46 @@ class StepTimer:
             torch.cuda.synchronize(i)
         now = time.perf_counter()
         self.times.append(now - self._t)
-        self._t = now
+        if self.after_step is not None:
+            self.after_step(self)
+        self._t = time.perf_counter()
 
     @staticmethod
-    def peaks(devices: list[str]) -> dict[str, float]:
+    def peaks(devices: list[str], reserved: bool = False) -> dict[str, float]:
+        """GiB per device: torch's peak allocated (``reserved``: the allocator's peak reserved) on a GPU."""
         import torch
 
         out = {}
         for d in sorted(set(devices)):
             if d.startswith("cuda"):
-                out[d] = torch.cuda.max_memory_allocated(torch.device(d)) / 2**30
+                peak = torch.cuda.max_memory_reserved if reserved else torch.cuda.max_memory_allocated
+                out[d] = peak(torch.device(d)) / 2**30
             else:
                 out[d] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB (Linux)
         return out
 
 
+def trl_config(args: argparse.Namespace, cuda: bool):
+    """The GRPOConfig the TRL run uses (also what a memory estimate of this run should read)."""
+    from trl import GRPOConfig
+
+    return GRPOConfig(output_dir=args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=args.per_device_batch,
+                      steps_per_generation=args.steps_per_generation, num_generations=args.num_generations,
+                      max_completion_length=args.max_completion_length, learning_rate=1e-4, logging_steps=1,
+                      report_to=[], save_strategy="no", bf16=cuda, use_cpu=not cuda, seed=7,
+                      gradient_checkpointing=args.gradient_checkpointing, disable_tqdm=True)
+
+
 def train_trl(args, model, tokenizer, timer: StepTimer, world: int) -> None:
     from datasets import Dataset
     from transformers import TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     class Timing(TrainerCallback):
         def on_step_end(self, *a, **k):
             timer.step()
 
-    cuda = any(d.startswith("cuda") for d in process_devices(args))
-    config = GRPOConfig(output_dir=args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=args.per_device_batch,
-                        steps_per_generation=args.steps_per_generation, num_generations=args.num_generations,
-                        max_completion_length=args.max_completion_length, learning_rate=1e-4, logging_steps=1,
-                        report_to=[], save_strategy="no", bf16=cuda, use_cpu=not cuda, seed=7,
-                        gradient_checkpointing=args.gradient_checkpointing, disable_tqdm=True)
+    config = trl_config(args, cuda=any(d.startswith("cuda") for d in process_devices(args)))
     trainer = GRPOTrainer(model=model, reward_funcs=letter_reward, args=config, processing_class=tokenizer,
                           train_dataset=Dataset.from_dict({"prompt": PROMPTS * max(1, world)}),
                           peft_config=lora_config(r=4), callbacks=[Timing()])
@@ -231,17 +247,22 @@ def main(argv: list[str] | None = None) -> int:
     print(f"policy split over {devices}: {sorted(set(map(str, model.hf_device_map.values())))} "
           f"({len(model.hf_device_map)} modules placed)", flush=True)
     tokenizer = tokenizer_for(args, model.config.vocab_size)
-    timer = StepTimer()
+
+    def write_report(timer: StepTimer) -> None:
+        if args.report:
+            Path(args.report).write_text(json.dumps(
+                {"devices": devices, "step_seconds": timer.times, "peak_gib": StepTimer.peaks(devices),
+                 "peak_reserved_gib": StepTimer.peaks(devices, reserved=True), "args": vars(args),
+                 "world_size": world}, indent=1))
+
+    timer = StepTimer(after_step=write_report)
     if args.trainer == "vendored":
         train_vendored(args, model, tokenizer, timer)
     else:
         train_trl(args, model, tokenizer, timer, world)
-    peaks = StepTimer.peaks(devices)
+    write_report(timer)
     print(f"done, {len(timer.times)} steps; step seconds {[round(t, 2) for t in timer.times]}; "
-          f"peak GiB per device {({k: round(v, 2) for k, v in peaks.items()})}", flush=True)
-    if args.report:
-        Path(args.report).write_text(json.dumps({"devices": devices, "step_seconds": timer.times, "peak_gib": peaks,
-                                                 "args": vars(args), "world_size": world}, indent=1))
+          f"peak GiB per device {({k: round(v, 2) for k, v in StepTimer.peaks(devices).items()})}", flush=True)
     return 0
 
 

@@ -96,6 +96,26 @@ def test_stage_memory_counts_its_layers_cache_and_boundary():
     assert one.components["reward_weights"] == 0 and two.fits
 
 
+def test_explicit_layer_counts_place_the_layers_where_the_run_puts_them():
+    """A GPU + CPU split (examples/train_grpo_split.py --layers 3,1): stage 0 holds 3 layers' weights,
+    adapter, cache; the default stays the even split."""
+    grpo = dict(per_device_train_batch_size=1, num_generations=2, max_completion_length=8)
+    even = estimate_split(TINY, SplitLayout(2), grpo_config=grpo, prompt_length=8)
+    assert estimate_split(TINY, SplitLayout(2), grpo_config=grpo, prompt_length=8, layers=[2, 2]).ranks == even.ranks
+    gpu_heavy = estimate_split(TINY, SplitLayout(2), grpo_config=grpo, prompt_length=8, layers=[3, 1])
+    cpu_heavy = estimate_split(TINY, SplitLayout(2), grpo_config=grpo, prompt_length=8, layers=(1, 3))
+    assert gpu_heavy.settings["layers_per_stage"] == [3, 1] and cpu_heavy.settings["layers_per_stage"] == [1, 3]
+    layer = 2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128 + 2 * 64  # Linears + two norms, bf16 below
+    first, last = gpu_heavy.ranks
+    assert first.components["weights"] - cpu_heavy.ranks[0].components["weights"] == 2 * layer * 2
+    assert first.components["kv_cache"] == 2 * last.components["kv_cache"]  # (3 + 1) layers against (1 + 1)
+    assert first.components["lora_params"] == 3 * last.components["lora_params"]
+    assert first.components["logits_logps"] == 0 < last.components["logits_logps"]  # the untied head stays last
+    for bad in ([4], [2, 1], [4, 0]):
+        with pytest.raises(ValueError, match="positive counts summing to 4"):
+            estimate_split(TINY, SplitLayout(2), grpo_config=grpo, prompt_length=8, layers=bad)
+
+
 def test_headline_scenario_cheapest_fit_is_a_pipeline_at_a_quarter_of_fsdp2(capsys):
     result = plan("llama-3.1-70b", grpo_config=HEADLINE, world_size=4, gpu_memory_gb=24, prompt_length=256)
     best = result.best

@@ -148,9 +148,11 @@ def estimate_split(model_config: Any, layout: SplitLayout, *, grpo_config: Any =
                    gpu_memory_gb: float | None = None, reward_models: Sequence[Any] = (),
                    prompt_length: int | None = None, dtype: Any = None, logits_mode: str = "auto",
                    overhead_gb: float = 1.0, fragmentation: float = 0.05, lean_lora: bool = False,
-                   **_ignored: Any) -> PreflightReport:
+                   layers: Sequence[int] | None = None, **_ignored: Any) -> PreflightReport:
     """Each GPU of one pipeline (they are alike across replicas) as a :class:`PreflightReport` whose
-    ``ranks`` are the P stages (``rank`` = the GPU's index in its pipeline); the grpo settings are per GPU."""
+    ``ranks`` are the P stages (``rank`` = the GPU's index in its pipeline); the grpo settings are per GPU.
+    ``layers``: decoder layers per stage (the example's ``--layers``), for an uneven split such as a GPU
+    with most layers and the CPU with the rest; default :func:`layers_per_stage`'s even split."""
     per_gpu = resolve_settings(grpo_config, lora_config=lora_config, world_size=layout.gpus,
                                gpu_memory_gb=gpu_memory_gb, reward_placement="local", prompt_length=prompt_length,
                                dtype=dtype, logits_mode=logits_mode)
@@ -167,7 +169,9 @@ def estimate_split(model_config: Any, layout: SplitLayout, *, grpo_config: Any =
     tied = params.output_embedding == 0
     n_gen, tokens = s.batch * s.steps, s.batch * (s.prompt + s.completion)
     stages = []
-    counts = layers_per_stage(arch.layers, layout.stages)
+    counts = list(layers) if layers is not None else layers_per_stage(arch.layers, layout.stages)
+    if len(counts) != layout.stages or sum(counts) != arch.layers or min(counts) < 1:
+        raise ValueError(f"layers {counts} must give {layout.stages} positive counts summing to {arch.layers}.")
     for i, layers in enumerate(counts):
         first, last = i == 0, i == layout.stages - 1
         head_here = first if tied else last
