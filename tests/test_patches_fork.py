@@ -120,9 +120,9 @@ def test_apply_options_are_grpo_config_fields(target, tmp_path_factory):
                    cwd=tmp_path_factory.getbasetemp())
     assert got["kit_importable"] is False
     assert got["defaults"] == {"grpo_patches": True, "reward_placement": "local", "reward_chunk_size": None,
-                               "reward_timeout": 600.0, "fast_generation": False}
+                               "reward_timeout": 600.0, "fast_generation": None}
     assert got["parsed"] == {"grpo_patches": False, "reward_placement": "main", "reward_chunk_size": 8,
-                             "reward_timeout": 30.0, "fast_generation": False}
+                             "reward_timeout": 30.0, "fast_generation": None}
     reward_site = "_prepare_inputs" if target.adapter_attr == "V015" else "_calculate_rewards"
     assert {"__init__", "_get_train_sampler", reward_site} <= set(got["wrapped"])
     assert "reward_placement='nowhere'" in got["bad_setting"] and "'local'" in got["bad_setting"]
