@@ -90,3 +90,25 @@ def test_bad_values_are_refused_naming_the_option_and_the_choices(value):
     text = str(info.value)
     assert f"reward_failure={value!r}" in text and "'raise', 'no_reward', 'drop_group'" in text
     assert not grpo_patches.is_applied()
+
+
+def test_drop_group_with_normalize_then_sum_is_refused_where_trl_sums_unscored_rows_to_zero():
+    """Before TRL 1.6 a row that no reward function scored sums to 0, and normalize_then_sum then normalizes
+    those zeros against the batch: a dropped group would get an advantage. Refused there, named; allowed
+    where TRL leaves such rows out (1.6+, this environment's release), and for every other combination."""
+    from types import SimpleNamespace
+
+    from trl.trainer.grpo_trainer import GRPOTrainer
+
+    from grpo_patches.options import PatchOptions
+    from grpo_patches.targets.trl_glue import check_drop_group, marks_unscorable
+
+    assert marks_unscorable(GRPOTrainer.__init__)  # TRL 1.16
+    config = SimpleNamespace(multi_objective_aggregation="normalize_then_sum")
+    with pytest.raises(ValueError, match="reward_failure='drop_group' with multi_objective_aggregation"):
+        check_drop_group(PatchOptions(reward_failure="drop_group"), config, unscorable_handled=False)
+    check_drop_group(PatchOptions(reward_failure="drop_group"), config, unscorable_handled=True)
+    check_drop_group(PatchOptions(reward_failure="no_reward"), config, unscorable_handled=False)
+    summed = SimpleNamespace(multi_objective_aggregation="sum_then_normalize")
+    check_drop_group(PatchOptions(reward_failure="drop_group"), summed, unscorable_handled=False)
+    check_drop_group(PatchOptions(reward_failure="drop_group"), None, unscorable_handled=False)  # TRL's defaults

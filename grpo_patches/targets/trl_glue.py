@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import inspect
 import math
 import os
@@ -85,6 +86,34 @@ def _datasets(value: Any) -> list[Any]:
     return list(value.values()) if isinstance(value, dict) else [value]
 
 
+@functools.cache
+def _source_marks_unscorable(module_name: str) -> bool:
+    import sys
+
+    return "unscorable_mask" in inspect.getsource(sys.modules[module_name])
+
+
+def marks_unscorable(init: Callable) -> bool:
+    """Whether this TRL leaves a completion that no reward function scored (every column NaN) out of the
+    advantage's normalization, as TRL 1.6+ does (``unscorable_mask``); earlier releases sum it to 0."""
+    module = inspect.getmodule(init)
+    return module is not None and _source_marks_unscorable(module.__name__)
+
+
+def check_drop_group(options: PatchOptions, config: Any, unscorable_handled: bool) -> None:
+    """``reward_failure="drop_group"`` leaves a dropped group's rows with no reward from any function. Under
+    ``normalize_then_sum`` a release that sums such rows to 0 (before TRL 1.6) normalizes those zeros against
+    the batch: the dropped group would get an advantage. Refused there, naming what works."""
+    if (options.reward_failure == "drop_group" and not unscorable_handled
+            and getattr(config, "multi_objective_aggregation", None) == "normalize_then_sum"):
+        raise ValueError(
+            "grpo_patches: reward_failure='drop_group' with multi_objective_aggregation='normalize_then_sum' needs "
+            "TRL >= 1.6, which leaves completions no reward function scored out of the normalization; this "
+            "release would give a dropped group an advantage. Use reward_failure='no_reward', "
+            "multi_objective_aggregation='sum_then_normalize', or a newer TRL."
+        )
+
+
 def init_wrapper(shape_of: Callable[[Any], GroupShape], *,
                  fast_generation_available: Callable[[], bool] = lambda: False,
                  soft_failures: bool = True) -> Callable:
@@ -118,6 +147,7 @@ def init_wrapper(shape_of: Callable[[Any], GroupShape], *,
                 f"every function: earlier releases call each function in a loop of their own, where a group cannot "
                 f"be dropped for all of them); upgrade TRL or keep reward_failure='raise'."
             )
+        check_drop_group(options, config, marks_unscorable(wrapped))
         if options.fast_generation is not None and not fast_generation_available():
             raise ValueError(
                 "grpo_patches: fast_generation=True needs GRPOTrainer._generate_single_turn(prompt_ids, ...), which "
