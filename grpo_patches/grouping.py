@@ -133,6 +133,8 @@ def check_group_shape(
         f"steps_per_generation={steps_per_generation} = {per_rank} completions per round ({mode}), "
         f"which is not a multiple of {gen_name}={num_generations}; {consequence}. "
         f"Nearest valid settings: {'; '.join(fixes)}."
+        + (" (TRL sets steps_per_generation to gradient_accumulation_steps unless it is given.)"
+           if mode == "train" else "")
     )
 
 

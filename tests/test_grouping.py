@@ -84,3 +84,10 @@ def test_resume_replays_the_same_epoch():
     resumed = RankLocalGroupSampler(list(range(10)), 2, 3, seed=5)
     resumed.set_epoch(2)  # what Trainer does when it resumes into epoch 2
     assert list(resumed) == epochs[2]
+
+
+def test_the_refusal_says_where_steps_per_generation_comes_from():
+    """A user who set only gradient_accumulation_steps reads steps_per_generation in the message: it says that
+    TRL derives it from gradient_accumulation_steps."""
+    with pytest.raises(GroupShapeError, match="steps_per_generation to gradient_accumulation_steps unless it is given"):
+        check_group_shape(per_device_batch_size=2, steps_per_generation=1, num_generations=4, world_size=2)
