@@ -1,4 +1,4 @@
-"""Issue 12: the public preflight surface as a user calls it, misspelt settings, and one
+"""The public preflight surface as a user calls it, misspelt settings, and one
 steps_per_generation rule shared by preflight, ``doctor --set`` and defaults."""
 
 from __future__ import annotations

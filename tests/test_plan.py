@@ -69,7 +69,7 @@ H200_ZERO3 = [  # policy, completion, offload, generation, training, optimizer (
 
 @pytest.mark.parametrize(("model", "completion", "offload", "gen", "train", "opt"), H200_ZERO3)
 def test_zero3_phases_match_the_h200_at_world_size_one(model, completion, offload, gen, train, opt):
-    # The model before issue 17 missed the later phases by -31% / -46% (0.5B) and offload by -50..-83%: it counted
+    # The earlier model missed the later phases by -31% / -46% (0.5B) and offload by -50..-83%: it counted
     # gathered copies at world size 1 (a view of the partition there) and neither DeepSpeed's 5e8-element gradient
     # bucket nor the frozen base that checkpoint recomputation keeps gathered until the backward ends.
     grpo = dict(per_device_train_batch_size=8, steps_per_generation=1, gradient_accumulation_steps=1,
