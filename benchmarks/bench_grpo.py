@@ -111,11 +111,19 @@ VARIANTS: dict[str, tuple[dict[str, Any] | None, dict[str, Any]]] = {
         "decode_loop": "graph", "keep_graph": True}, "lean_lora": True, "compile_training": True}, {}),
     # apply(speed=True): fast_generation + lean_lora + compile_training, each at its defaults
     "patched-speed": ({"reward_placement": "local", "speed": True}, {}),
+    # Liger-Kernel's RMSNorm / SwiGLU / RoPE kernels (TRL's use_liger_kernel): on stock TRL, and in place
+    # of compile_training on the kit's speed path
+    "stock-liger": (None, {"use_liger_kernel": True}),
+    "patched-speed-liger": ({"reward_placement": "local", "speed": True, "compile_training": False},
+                            {"use_liger_kernel": True}),
 }
 #: (variant, baseline, target): the patch's overhead where both sides generate the same way.
 OVERHEAD_PAIRS = [("patched-graph", "stock-graph", 1.01)]
 #: step time / stock targets: no overhead for the patches alone, 5x faster with fast generation.
 STEP_TARGETS = {"patched-local": 1.01, "patched-main": 1.01, "patched-fast": 0.2, "patched-graph": 0.08}
+#: timed methods whose own peak allocated memory each step records (``<name>_peak_bytes``): sampling and
+#: scoring against the training micro-batches, so the preflight's two phases are checked apart
+PEAK_PHASES = ("_generate_and_score_completions", "training_step")
 SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>"]  # ids 0..3
 PROMPT_WORDS = 32
 GiB = 2**30
@@ -360,6 +368,8 @@ class StepTimer:
         self.steps: list[dict[str, float]] = []
         self.cur: dict[str, float] | None = None
         self.last_begin: float | None = None
+        self.cuda = cuda
+        self.peak = 0  # the run's peak allocated bytes, folded in before each phase's reset of the counter
 
     def callback(self):
         from transformers import TrainerCallback
@@ -407,8 +417,13 @@ class StepTimer:
         kernels_to = (os.environ.get("BENCH_PROFILE_DIR") if os.environ.get("BENCH_KERNELS") == name
                       and torch.cuda.is_available() else None)  # kernels: CUDA only
 
+        phase_peak = timer.cuda and name in PEAK_PHASES
+
         def timed(*a, **kw):
             timer.sync()
+            if phase_peak:  # this phase's own peak; the run's peak is kept in timer.peak
+                timer.peak = max(timer.peak, torch.cuda.max_memory_allocated())
+                torch.cuda.reset_peak_memory_stats()
             t0 = time.perf_counter()
             profiling = profiler is not None and len(timer.steps) >= timer.warmup  # timed steps only
             if profiling:
@@ -438,9 +453,15 @@ class StepTimer:
                     text.getvalue())
             if timer.cur is not None:
                 timer.cur[name] = timer.cur.get(name, 0.0) + time.perf_counter() - t0
+                if phase_peak:
+                    key = f"{name}_peak_bytes"
+                    timer.cur[key] = max(timer.cur.get(key, 0), torch.cuda.max_memory_allocated())
                 if count_tokens:  # _generate returns (prompt_ids, completion_ids, ...), lists of id lists
                     timer.cur["completion_tokens"] = timer.cur.get("completion_tokens", 0) + sum(
                         len(ids) for ids in out[1])
+            if phase_peak:  # reset again: a training step that sampled counts only what came after
+                timer.peak = max(timer.peak, torch.cuda.max_memory_allocated())
+                torch.cuda.reset_peak_memory_stats()
             return out
 
         setattr(trainer, name, timed)  # instance attribute: this trainer only
@@ -509,6 +530,8 @@ def derive(step: dict[str, float]) -> dict[str, float]:
         "other_s": max(total - ts, 0.0),
         "completion_tokens": step.get("completion_tokens", 0.0),
         "tokens_per_s": step.get("completion_tokens", 0.0) / total if total else 0.0,
+        "sample_peak_gib": step.get("_generate_and_score_completions_peak_bytes", 0) / GiB or None,
+        "train_peak_gib": step.get("training_step_peak_bytes", 0) / GiB or None,
     }
 
 
@@ -591,7 +614,7 @@ def run_variant(args, variant: str, round_idx: int, ctx: dict[str, Any]) -> dict
     mem: dict[str, Any] = {}
     if cuda:
         torch.cuda.synchronize()
-        mem = {"peak_allocated_bytes": torch.cuda.max_memory_allocated(),
+        mem = {"peak_allocated_bytes": max(timer.peak, torch.cuda.max_memory_allocated()),
                "peak_reserved_bytes": torch.cuda.max_memory_reserved(),
                "base_allocated_bytes": base_alloc}
         stats = torch.cuda.memory_stats()  # over the whole run: warm-up and timed steps
@@ -923,7 +946,7 @@ def grid_command(args, row: dict[str, Any], out: Path) -> list[str]:
 
 def predicted_gib(args, row: dict[str, Any]) -> float:
     """``grpo_patches.preflight``'s peak for the row (GiB on rank 0, allocator only: the cap leaves the CUDA
-    context out), with the variant's fast_generation / lean_lora; compile_training is not modelled."""
+    context out), with the variant's fast_generation / lean_lora / compile_training."""
     from grpo_patches.preflight import RewardModelSpec, preflight
 
     options = VARIANTS[row["variant"]][0] or {}
@@ -935,7 +958,8 @@ def predicted_gib(args, row: dict[str, Any]) -> float:
                        reward_models=[RewardModelSpec(config=model_config(REWARD_MODEL[args.policy], num_labels=1))],
                        prompt_length=PROMPT_WORDS + 1, overhead_gb=0.0, fragmentation=0.0, raise_on_error=False,
                        warn=False, fast_generation=options.get("fast_generation", speed),
-                       lean_lora=options.get("lean_lora", speed))
+                       lean_lora=options.get("lean_lora", speed),
+                       compile_training=options.get("compile_training", speed))
     return report.peak / GiB
 
 
@@ -979,6 +1003,8 @@ def run_grid(args) -> int:
             ok, output = proc.returncode == 0, proc.stdout + proc.stderr
         except subprocess.TimeoutExpired:
             ok, output = False, "timed out"
+        runs.mkdir(parents=True, exist_ok=True)
+        (runs / f"log-{row['tag'].replace(' ', '-')}.txt").write_text(output[-200000:])
         recs = [r for r in load_jsonl(runs / "results.jsonl") if r.get("tag") == row["tag"]]
         steps = recs[-1]["timed_steps"] if ok and recs else []
         if steps:
@@ -987,10 +1013,10 @@ def run_grid(args) -> int:
             row["step_s"] = statistics.median(st["step_s"] for st in steps)
             row["floor_s"] = recs[-1]["floor"]["floor_s"]  # with the measured prompt length
             row["x_floor"] = row["step_s"] / row["floor_s"]
+            row["peak_gib"] = recs[-1].get("peak_allocated_bytes", 0) / GiB
+            for key in ("sample_peak_gib", "train_peak_gib"):  # the phases' own peaks (CUDA only)
+                row[key] = max((st.get(key) or 0 for st in steps), default=0) or None
         row["status"] = "ok" if steps else ("OOM" if "out of memory" in output.lower() else "failed")
-        if row["status"] != "ok":
-            runs.mkdir(parents=True, exist_ok=True)
-            (runs / f"failed-{row['tag'].replace(' ', '-')}.log").write_text(output[-20000:])
         log(f"{row['tag']}: {row['status']}" + (f", {row['tokens_per_s']:.0f} tokens/s, {row['x_floor']:.2f}x the "
                                                f"floor" if steps else f" (floor {row['floor_s']:.3f} s)"))
         with open(out / "grid.jsonl", "a") as fh:
@@ -1007,15 +1033,17 @@ def grid_table(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         if r.get("tokens_per_s") and r["tokens_per_s"] > best.get(r["variant"], {}).get("tokens_per_s", 0):
             best[r["variant"]] = r
-    lines = ["| variant | micro-batch | accum | steps/gen | gen batch | tokens/s | step s | floor s | x floor | status |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| variant | micro-batch | accum | steps/gen | gen batch | tokens/s | step s | floor s | x floor | "
+             "peak GiB: sampling / training (predicted) | status |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         mark = " (best)" if best.get(r["variant"]) is r else ""
         tps = f"{r['tokens_per_s']:.0f}{mark}" if r.get("tokens_per_s") else ""
         step = f"{r['step_s']:.3f}" if r.get("step_s") else ""
         xf = f"{r['x_floor']:.2f}" if r.get("x_floor") else ""
+        peaks = " / ".join(f"{r[k]:.1f}" if r.get(k) else "-" for k in ("sample_peak_gib", "train_peak_gib"))
         lines.append(f"| {r['variant']} | {r['micro_batch']} | {r['grad_accum']} | {r['steps_per_generation']} | "
-                     f"{r['generation_batch']} | {tps} | {step} | {r['floor_s']:.3f} | {xf} | {r.get('status', '')} |")
+                     f"{r['generation_batch']} | {tps} | {step} | {r['floor_s']:.3f} | {xf} | {peaks} "
+                     f"({r['predicted_gib']:.1f}) | {r.get('status', '')} |")
     return "\n".join(lines)
 
 

@@ -68,6 +68,10 @@ def _add_doctor(sub: Any) -> None:
                    help="the run uses apply(fast_generation=True): its static KV cache and merged-LoRA buffer are counted while sampling")
     p.add_argument("--lean-lora", action="store_true",
                    help="the run uses apply(lean_lora=True): no fp32 copy of the LoRA layers' inputs in the training forward")
+    p.add_argument("--compile-training", action="store_true",
+                   help="the run uses apply(compile_training=True): its compiled layers' training memory is counted")
+    p.add_argument("--speed", action="store_true",
+                   help="the run uses apply(speed=True): --fast-generation --lean-lora --compile-training")
     p.add_argument("--sharding", choices=("ddp", "zero2", "fsdp2", "zero3"), default="ddp",
                    help="how the frozen base is placed over the ranks (default ddp: a full copy per rank)")
     p.add_argument("--quantization", choices=("nf4", "int8"), help="a bitsandbytes base (QLoRA); nf4 uses double quantization")
@@ -103,6 +107,8 @@ def _doctor(args: argparse.Namespace) -> int:
     for flag in ("plan", "tune"):
         if getattr(args, flag) and args.gpu_memory_gb is None:
             raise ValueError(f"--{flag} needs --gpu-memory-gb (memory per GPU in GiB).")
+    if args.speed:  # apply(speed=True)'s three options
+        args.fast_generation = args.lean_lora = args.compile_training = True
     from grpo_patches.defaults import lora_config
     from grpo_patches.preflight import RewardModelSpec, preflight
 
@@ -119,7 +125,8 @@ def _doctor(args: argparse.Namespace) -> int:
                       world_size=args.world_size, allow_sample_ahead=args.allow_sample_ahead, lora_config=lora,
                       reward_models=rewards, reward_placement=args.reward_placement, prompt_length=args.prompt_length,
                       dtype=args.dtype, logits_mode=args.logits_mode, fast_generation=args.fast_generation,
-                      lean_lora=args.lean_lora, sharding=args.sharding, quantization=args.quantization,
+                      lean_lora=args.lean_lora, compile_training=args.compile_training, sharding=args.sharding,
+                      quantization=args.quantization,
                       double_quant=args.double_quant, offload_base=args.offload_base or None,
                       deepspeed_config=args.deepspeed_config)
         print(json.dumps(tuning.to_dict(), indent=1) if args.json else tuning)
@@ -131,7 +138,7 @@ def _doctor(args: argparse.Namespace) -> int:
                       gpu_memory_gb=args.gpu_memory_gb, reward_models=rewards, dataset_size=args.dataset_size,
                       prompt_length=args.prompt_length, dtype=args.dtype, logits_mode=args.logits_mode,
                       fast_generation=args.fast_generation, lean_lora=args.lean_lora,
-                      deepspeed_config=args.deepspeed_config,
+                      compile_training=args.compile_training, deepspeed_config=args.deepspeed_config,
                       cost_model=CostModel(args.link_gbps, args.host_gbps, args.hbm_gbps, args.tflops))
         print(json.dumps(result.to_dict(), indent=1) if args.json else result)
         return 0 if result.best is not None else 1
@@ -151,6 +158,7 @@ def _doctor(args: argparse.Namespace) -> int:
             logits_mode=args.logits_mode,
             fast_generation=args.fast_generation,
             lean_lora=args.lean_lora,
+            compile_training=args.compile_training,
             sharding=args.sharding,
             quantization=args.quantization,
             double_quant=args.double_quant,

@@ -103,3 +103,36 @@ def test_the_micro_batch_comes_before_the_generation_batch():
     assert [c for c in grid.candidates if c.fits and c.generation_batch == top.generation_batch]
     assert grid.best.micro_batch == top.micro_batch
     assert grid.best.generation_batch == max(fitting_gens - {top.generation_batch})
+
+
+#: The H200 grid's setup (benchmarks/bench_grpo.py --grid): 1.5B policy, a 0.5B reward model, 33-token prompts,
+#: 256-token completions, 1024 completions per step, apply(speed=True), a 24 GiB cap.
+GRID = {"per_device_train_batch_size": 32, "gradient_accumulation_steps": 32, "max_completion_length": 256}
+GRID_KW = {"reward_models": ["qwen2.5-0.5b"], "prompt_length": 33, "fast_generation": True, "lean_lora": True}
+
+
+def test_compiled_training_is_counted_and_the_pick_stays_below_the_measured_out_of_memory():
+    """On the H200, micro-batches of 256 with compile_training ran out of memory in the compiled backward under
+    24 GiB (the eager-calibrated estimate said 19.6 GiB): counted, the pick is the next micro-batch down."""
+    eager = tune("qwen2-1.5b", gpu_memory_gb=24, grpo_config=GRID, **GRID_KW)
+    compiled = tune("qwen2-1.5b", gpu_memory_gb=24, grpo_config=GRID, compile_training=True, **GRID_KW)
+    by_layout = {(c.micro_batch, c.steps_per_generation): c for c in eager.candidates}
+    for c in compiled.candidates:
+        e = by_layout[(c.micro_batch, c.steps_per_generation)].report.ranks[0]
+        r = c.report.ranks[0]
+        assert r.phases["generation"] == e.phases["generation"]  # sampling runs the eager layers
+        assert r.components["activations"] > e.components["activations"]
+    assert eager.best.micro_batch == 256  # what the eager model picks: the layout that ran out of memory
+    assert not next(c for c in compiled.candidates if (c.micro_batch, c.steps_per_generation) == (256, 4)).fits
+    assert (compiled.best.micro_batch, compiled.best.generation_batch) == (128, 1024)
+
+
+def test_doctor_speed_is_the_three_options(capsys):
+    argv = ["doctor", "--model", "qwen2-1.5b", "--gpu-memory-gb", "24", "--tune", "--json", "--prompt-length", "33",
+            "--reward-model", "qwen2.5-0.5b", *[f"--set={k}={v}" for k, v in GRID.items()]]
+    assert cli_main([*argv, "--speed"]) == 0
+    speed = json.loads(capsys.readouterr().out)
+    assert cli_main([*argv, "--fast-generation", "--lean-lora", "--compile-training"]) == 0
+    assert json.loads(capsys.readouterr().out) == speed
+    assert cli_main([*argv, "--fast-generation", "--lean-lora"]) == 0
+    assert json.loads(capsys.readouterr().out)["pick"] != speed["pick"]

@@ -28,6 +28,8 @@ _ACT_COEF: dict[str, dict[tuple[int, bool], dict[str, float]]] = {
              for act in (2, 4) for dropout in (True, False)}
     for device, table in _COEFFICIENTS["activations"].items() if device != "about"
 }
+#: ``compile_training``: the compiled decoder layer's saved tensors and backward buffers over the eager one's
+_COMPILED_LAYER_FACTOR = float(_COEFFICIENTS["compiled_training"]["layer_factor"])
 _FUSED_TOKEN_CHUNK = int(_COEFFICIENTS["fused_logprob_chunks"]["tokens"])
 _FUSED_VOCAB_CHUNK = int(_COEFFICIENTS["fused_logprob_chunks"]["vocab"])
 
@@ -49,12 +51,17 @@ def layer_bytes_per_token(arch: Arch, act: int, dropout: bool, device: str = "cu
     )
 
 
-def activation_bytes(arch: Arch, tokens: int, act: int, dropout: bool, checkpointing: bool, lean_input: int = 0) -> int:
-    """``lean_input``: the width of the widest adapted input whose fp32 copy ``lean_lora`` removes (0: none)."""
+def activation_bytes(arch: Arch, tokens: int, act: int, dropout: bool, checkpointing: bool, lean_input: int = 0,
+                     compiled: bool = False) -> int:
+    """``lean_input``: the width of the widest adapted input whose fp32 copy ``lean_lora`` removes (0: none).
+    ``compiled``: ``compile_training``'s layers, whose per-layer tensors (what one layer saves and its
+    backward's buffers; not the checkpointed layer inputs) are ``_COMPILED_LAYER_FACTOR`` x the eager ones."""
     per_layer = layer_bytes_per_token(arch, act, dropout)
     workspace = tokens * (3 * arch.intermediate + 2 * arch.hidden) * act
     if lean_input and act == 2:  # PEFT's fp32 copy of the input (4 bytes), and the fp32 dropout output (4)
         workspace -= tokens * lean_input * (8 if dropout else 4)
+    if compiled:
+        per_layer, workspace = per_layer * _COMPILED_LAYER_FACTOR, workspace * _COMPILED_LAYER_FACTOR
     if checkpointing:
         saved = arch.layers * tokens * arch.hidden * act + tokens * per_layer
     else:
@@ -154,6 +161,7 @@ def estimate_ranks(
     fast: FastGenerationMemory | None = None,
     layout: Layout = _DDP,
     lean_input: int = 0,
+    compiled: bool = False,
 ) -> list[RankEstimate]:
     tokens = batch * (prompt + completion)
     n_gen = batch * steps
@@ -189,7 +197,7 @@ def estimate_ranks(
         "lora_params": lora_params,
         "lora_grads": lora_grads,
         "optimizer_state": optimizer_state,
-        "activations": activation_bytes(arch, tokens, act, dropout, checkpointing, lean_input),
+        "activations": activation_bytes(arch, tokens, act, dropout, checkpointing, lean_input, compiled),
         "logits_logps": logits_bytes(arch, batch, completion, act, logits_mode),
         "autocast_cache": 0 if quantized else autocast_copies(params, arch, w_bytes, act, checkpointing),
         "kv_cache": (kv_layer * arch.layers + kv_layer if fast is None
@@ -241,7 +249,8 @@ def estimate_ranks(
 
 def estimate_inputs(s: RunSettings, arch: Arch, params: ParamCount, layout: Layout,
                     rewards: list[tuple[RewardModelSpec, Arch, int]], *, capacity: int | None, overhead: int,
-                    fragmentation: float, fast_generation: Any, lean_lora: bool) -> tuple[dict[str, Any], int]:
+                    fragmentation: float, fast_generation: Any, lean_lora: bool,
+                    compile_training: bool = False) -> tuple[dict[str, Any], int]:
     """The keyword arguments of :func:`estimate_ranks` but ``checkpointing`` (the advice re-estimates with
     one of them changed), and the input width whose fp32 copy ``lean_lora`` removes (0: stock PEFT makes
     no copy in this setup)."""
@@ -254,5 +263,5 @@ def estimate_inputs(s: RunSettings, arch: Arch, params: ParamCount, layout: Layo
                                                 params=params, weight_bytes=s.w_bytes,
                                                 quantized=layout.quantization is not None)
                         if fast_generation and layout.sharding == "ddp" else None),
-                  layout=layout, lean_input=lean_width if lean_lora else 0)
+                  layout=layout, lean_input=lean_width if lean_lora else 0, compiled=compile_training)
     return common, lean_width

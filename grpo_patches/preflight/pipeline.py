@@ -45,6 +45,7 @@ def preflight(
     warn: bool = True,
     fast_generation: Any = False,
     lean_lora: bool = False,
+    compile_training: bool = False,
     sharding: str = "auto",
     quantization: str | None = None,
     double_quant: bool = True,
@@ -66,7 +67,9 @@ def preflight(
     and in every phase with ``release_after_sampling=False``. ``lean_lora``: the run uses
     ``apply(lean_lora=True)``: under 16-bit autocast with fp32 adapters, no fp32 copy of the widest
     adapted input and its dropout output (8 bytes per element with dropout, 4 without) in the
-    training forward (measured on the H200: -3.7 GiB at batch 192 of the 1.5B policy). ``sharding`` ("ddp", "zero2", "fsdp2", "zero3"; "auto":
+    training forward (measured on the H200: -3.7 GiB at batch 192 of the 1.5B policy). ``compile_training``:
+    the run uses ``apply(compile_training=True)``, whose compiled layers hold more per token in the
+    training phase (``coefficients.json``, ``compiled_training``). ``sharding`` ("ddp", "zero2", "fsdp2", "zero3"; "auto":
     what ``accelerate launch`` set up, else ddp),
     ``quantization`` (None, "nf4", "int8": a bitsandbytes base, ``double_quant`` for nf4) and
     ``offload_base`` (frozen shards in host memory, fsdp2 / zero3; None: from accelerate's
@@ -91,6 +94,7 @@ def preflight(
     overhead_gb = as_number("overhead_gb", overhead_gb, minimum=0)
     fragmentation = as_number("fragmentation", fragmentation, minimum=0)
     lean_lora, double_quant = as_bool("lean_lora", lean_lora), as_bool("double_quant", double_quant)
+    compile_training = as_bool("compile_training", compile_training)
     raise_on_error, warn = as_bool("raise_on_error", raise_on_error), as_bool("warn", warn)
     offload_base = None if offload_base is None else as_bool("offload_base", offload_base)
     sharding = as_choice("sharding", sharding, ("auto", *SHARDINGS))
@@ -110,7 +114,8 @@ def preflight(
     capacity = int(gpu_memory_gb * GiB) if gpu_memory_gb is not None else None
     common, lean_width = estimate_inputs(s, arch, params, layout, rewards, capacity=capacity,
                                          overhead=int(overhead_gb * GiB), fragmentation=fragmentation,
-                                         fast_generation=fast_generation, lean_lora=lean_lora)
+                                         fast_generation=fast_generation, lean_lora=lean_lora,
+                                         compile_training=compile_training)
     ranks = estimate_ranks(arch, params, checkpointing=s.checkpointing, **common)
     tokens = s.batch * (s.prompt + s.completion)
     act_ckpt = activation_bytes(arch, tokens, s.act, s.dropout, True)
