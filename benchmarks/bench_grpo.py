@@ -15,7 +15,8 @@ trainer built from the same random weights, so drift hits every variant alike::
     python benchmarks/bench_grpo.py --find-max-batch --nproc 2 --mem-cap-gb 24 --policy 0.5b
 
     # best layout against best layout: stock and the kit's speed path over micro-batch x generation
-    # batch at 1024 completions per step under a 24 GB cap (--dry-run lists the grid, runs nothing):
+    # batch at 1024 completions per step under a 24 GB cap (--dry-run lists the grid, runs nothing;
+    # --report-only prints the tables of what the rows recorded, each phase against its own floor):
     python benchmarks/bench_grpo.py --grid --policy 1.5b --completions-per-step 1024 --mem-cap-gb 24
 
 Policy: a Qwen2.5-0.5B- or 1.5B-like Qwen2 with random weights (no hub) + LoRA r=16, alpha=32,
@@ -179,6 +180,9 @@ def floor_estimate(policy: str, batch: int, prompt_len: int, completion_len: int
     step_flops = fwd(pol, batch, seq / 2, batch)
     decode_s = completion_len * max(step_bytes / HBM_BYTES_PER_S, step_flops / PEAK_BF16_FLOPS)
     return {"floor_s": compute_s + decode_s, "floor_compute_s": compute_s, "floor_decode_s": decode_s,
+            # the phases' own floors: sampling (prefill + decode), the reward model, the training passes
+            "floor_generate_s": prefill / PEAK_BF16_FLOPS + decode_s, "floor_rewards_s": reward / PEAK_BF16_FLOPS,
+            "floor_training_s": passes * loss_fwd / PEAK_BF16_FLOPS,
             "floor_flops": prefill + reward + passes * loss_fwd + completion_len * step_flops,
             "floor_decode_bytes": completion_len * step_bytes, "prompt_len": prompt_len}
 
@@ -252,7 +256,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)  # a probe launched by the driver
     p.add_argument("--report-only", action="store_true",
                    help="merge per-rank parts left by an interrupted run into results.jsonl and rewrite "
-                        "results.md and the plots (no training)")
+                        "results.md and the plots (no training); with --grid: print the grid's tables, each "
+                        "phase against its floor, from --out's grid.jsonl and grid/results.jsonl")
     p.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto",
                    help="weights of the policy and reward model (auto: bf16 on GPU, fp32 on CPU)")
     p.add_argument("--seed", type=int, default=1234)
@@ -1027,6 +1032,28 @@ def run_grid(args) -> int:
     return 0
 
 
+def grid_phase_table(out: Path) -> str:
+    """Every grid run recorded under ``out`` (``grid/results.jsonl``): the median timed step's phases, each
+    against its own floor (``floor_estimate``), and the warm-up steps (compilation, capture)."""
+    lines = ["| run | step s (x floor) | sampling s (x floor) | reward model s (x floor) | training s (x floor) | "
+             "other s | warm-up steps s |", "|---|---|---|---|---|---|---|"]
+    for rec in load_jsonl(out / "grid" / "results.jsonl"):
+        steps = rec["timed_steps"]
+        if not steps:
+            continue
+        fl = step_floor(rec["policy"], rec["per_device_batch"] * rec["grad_accum"],
+                        rec["per_device_batch"] * (rec["steps_per_generation"] or rec["grad_accum"]),
+                        rec["floor"]["prompt_len"], rec["completion_len"], rec["grad_ckpt"] == "on")
+        m = {k: statistics.median(st[k] for st in steps) for k in ("step_s", "generate_s", "rewards_s")}
+        m["training_s"] = statistics.median(st["loss_backward_s"] for st in steps)
+        m["other_s"] = statistics.median(st["score_other_s"] + st["prepare_other_s"] + st["other_s"] for st in steps)
+        cell = {k: f"{m[k]:.2f} ({m[k] / fl[f'floor_{k[:-2]}_s']:.1f}x)" for k in ("generate_s", "rewards_s", "training_s")}
+        warm = ", ".join(f"{st['step_s']:.1f}" for st in rec.get("warmup_steps", []))
+        lines.append(f"| {rec.get('tag', rec['variant'])} | {m['step_s']:.2f} ({m['step_s'] / fl['floor_s']:.2f}x) | "
+                     f"{cell['generate_s']} | {cell['rewards_s']} | {cell['training_s']} | {m['other_s']:.2f} | {warm} |")
+    return "\n".join(lines)
+
+
 def grid_table(rows: list[dict[str, Any]]) -> str:
     """The grid as markdown, the best row per variant marked (highest tokens/s)."""
     best = {}
@@ -1350,6 +1377,11 @@ def write_plots(out: Path, records: list[dict]) -> None:
 
 def main() -> None:
     args = parse_args()
+    if args.report_only and args.grid:  # the grid's tables from what its runs recorded
+        out = Path(args.out) if args.out else default_out_dir()
+        rows = load_jsonl(out / "grid.jsonl")
+        print(grid_table(rows) + "\n\n" + grid_phase_table(out))
+        sys.exit(0)
     if args.report_only:
         out = Path(args.out) if args.out else default_out_dir()
         n = merge_parts(out, sorted((out / "parts").glob("*.jsonl"))) if (out / "parts").is_dir() else 0

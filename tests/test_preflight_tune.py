@@ -111,9 +111,22 @@ GRID = {"per_device_train_batch_size": 32, "gradient_accumulation_steps": 32, "m
 GRID_KW = {"reward_models": ["qwen2.5-0.5b"], "prompt_length": 33, "fast_generation": True, "lean_lora": True}
 
 
+def test_the_training_phase_predicts_the_h200_grid():
+    """Each phase's own peak, H200 grid (benchmarks/results/2026-12-03-h200-grid/): the training phase at 128
+    compiled, 64 with Liger's kernels in place of compile_training (eager memory), and stock TRL at 128."""
+    def training(micro, **kw):
+        t = tune("qwen2-1.5b", gpu_memory_gb=24, grpo_config=GRID, **{**GRID_KW, **kw})
+        return next(c for c in t.candidates if (c.micro_batch, c.generation_batch) == (micro, 1024)).report
+    for micro, kw, measured in ((128, {"compile_training": True}, 13.47), (64, {}, 8.08),
+                                (128, {"fast_generation": False, "lean_lora": False}, 15.31)):
+        predicted = training(micro, **kw).ranks[0].phases["training"] / GiB
+        assert predicted == pytest.approx(measured, rel=0.07), (micro, kw, predicted)
+
+
 def test_compiled_training_is_counted_and_the_pick_stays_below_the_measured_out_of_memory():
     """On the H200, micro-batches of 256 with compile_training ran out of memory in the compiled backward under
-    24 GiB (the eager-calibrated estimate said 19.6 GiB): counted, the pick is the next micro-batch down."""
+    24 GiB (the eager-calibrated estimate said 19.6 GiB): counted, the pick is the next micro-batch down, the
+    layout the grid measured fastest."""
     eager = tune("qwen2-1.5b", gpu_memory_gb=24, grpo_config=GRID, **GRID_KW)
     compiled = tune("qwen2-1.5b", gpu_memory_gb=24, grpo_config=GRID, compile_training=True, **GRID_KW)
     by_layout = {(c.micro_batch, c.steps_per_generation): c for c in eager.candidates}
