@@ -105,14 +105,14 @@ def test_the_micro_batch_comes_before_the_generation_batch():
     assert grid.best.generation_batch == max(fitting_gens - {top.generation_batch})
 
 
-#: The H200 grid's setup (benchmarks/bench_grpo.py --grid): 1.5B policy, a 0.5B reward model, 33-token prompts,
+#: The H200 grid's setup (benchmarks/bench_grpo.py --grid): 1.5B policy, a 0.5B reward model, 32-token prompts,
 #: 256-token completions, 1024 completions per step, apply(speed=True), a 24 GiB cap.
 GRID = {"per_device_train_batch_size": 32, "gradient_accumulation_steps": 32, "max_completion_length": 256}
-GRID_KW = {"reward_models": ["qwen2.5-0.5b"], "prompt_length": 33, "fast_generation": True, "lean_lora": True}
+GRID_KW = {"reward_models": ["qwen2.5-0.5b"], "prompt_length": 32, "fast_generation": True, "lean_lora": True}
 
 
 def test_the_training_phase_predicts_the_h200_grid():
-    """Each phase's own peak, H200 grid (benchmarks/results/2026-12-03-h200-grid/): the training phase at 128
+    """The training phase's own peak, H200 grid (benchmarks/results/2026-12-03-h200-grid/): the training phase at 128
     compiled, 64 with Liger's kernels in place of compile_training (eager memory), and stock TRL at 128."""
     def training(micro, **kw):
         t = tune("qwen2-1.5b", gpu_memory_gb=24, grpo_config=GRID, **{**GRID_KW, **kw})
@@ -125,7 +125,7 @@ def test_the_training_phase_predicts_the_h200_grid():
 
 def test_compiled_training_is_counted_and_the_pick_stays_below_the_measured_out_of_memory():
     """On the H200, micro-batches of 256 with compile_training ran out of memory in the compiled backward under
-    24 GiB (the eager-calibrated estimate said 19.6 GiB): counted, the pick is the next micro-batch down, the
+    24 GiB (the eager-calibrated estimate said 19.58 GiB): counted, the pick is the next micro-batch down, the
     layout the grid measured fastest."""
     eager = tune("qwen2-1.5b", gpu_memory_gb=24, grpo_config=GRID, **GRID_KW)
     compiled = tune("qwen2-1.5b", gpu_memory_gb=24, grpo_config=GRID, compile_training=True, **GRID_KW)
@@ -141,7 +141,7 @@ def test_compiled_training_is_counted_and_the_pick_stays_below_the_measured_out_
 
 
 def test_doctor_speed_is_the_three_options(capsys):
-    argv = ["doctor", "--model", "qwen2-1.5b", "--gpu-memory-gb", "24", "--tune", "--json", "--prompt-length", "33",
+    argv = ["doctor", "--model", "qwen2-1.5b", "--gpu-memory-gb", "24", "--tune", "--json", "--prompt-length", "32",
             "--reward-model", "qwen2.5-0.5b", *[f"--set={k}={v}" for k, v in GRID.items()]]
     assert cli_main([*argv, "--speed"]) == 0
     speed = json.loads(capsys.readouterr().out)
