@@ -122,8 +122,8 @@ VARIANTS: dict[str, tuple[dict[str, Any] | None, dict[str, Any]]] = {
 OVERHEAD_PAIRS = [("patched-graph", "stock-graph", 1.01)]
 #: step time / stock targets: no overhead for the patches alone, 5x faster with fast generation.
 STEP_TARGETS = {"patched-local": 1.01, "patched-main": 1.01, "patched-fast": 0.2, "patched-graph": 0.08}
-#: timed methods whose own peak allocated memory each step records (``<name>_peak_bytes``): sampling and
-#: scoring against the training micro-batches, so the preflight's two phases are checked apart
+#: timed methods whose own peak allocated memory each step records (``<name>_peak_bytes``): sampling with
+#: scoring, and each training micro-batch, so preflight's generation and training phases are checked apart
 PEAK_PHASES = ("_generate_and_score_completions", "training_step")
 SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>"]  # ids 0..3
 PROMPT_WORDS = 32
