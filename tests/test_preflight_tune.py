@@ -149,3 +149,14 @@ def test_doctor_speed_is_the_three_options(capsys):
     assert json.loads(capsys.readouterr().out) == speed
     assert cli_main([*argv, "--fast-generation", "--lean-lora"]) == 0
     assert json.loads(capsys.readouterr().out)["pick"] != speed["pick"]
+
+
+def test_the_report_s_activation_line_is_the_run_s_layers():
+    """The "activations: ... with gradient checkpointing" line reads what the table's activations row holds."""
+    for kw in ({}, {"compile_training": True}, {"lean_lora": False, "fast_generation": False}):
+        for ckpt in (True, False):
+            t = tune("qwen2-1.5b", gpu_memory_gb=24, grpo_config=dict(GRID, gradient_checkpointing=ckpt),
+                     **{**GRID_KW, **kw})
+            report = t.candidates[0].report
+            line = report.activations_checkpointed if ckpt else report.activations_full
+            assert line == report.ranks[0].components["activations"], (kw, ckpt)

@@ -118,8 +118,9 @@ def preflight(
                                          compile_training=compile_training)
     ranks = estimate_ranks(arch, params, checkpointing=s.checkpointing, **common)
     tokens = s.batch * (s.prompt + s.completion)
-    act_ckpt = activation_bytes(arch, tokens, s.act, s.dropout, True)
-    act_full = activation_bytes(arch, tokens, s.act, s.dropout, False)
+    # with and without checkpointing, as the run's layers hold them (lean_lora, compile_training)
+    act_ckpt = activation_bytes(arch, tokens, s.act, s.dropout, True, common["lean_input"], compile_training)
+    act_full = activation_bytes(arch, tokens, s.act, s.dropout, False, common["lean_input"], compile_training)
 
     shape_errors = check_shapes(s)
     fit_error, advice = check_fit(arch, params, ranks, s, common, lean_width, capacity)
