@@ -14,7 +14,7 @@ the last. Only hidden states cross devices. With several processes it is data pa
 pipelines: the kit keeps each group of completions on one rank. ``grpo-patches doctor ... --plan``
 predicts the memory per device and the extra time per round of these layouts ("pipeline P", "pipeline
 P x dp D"). ``--trainer vendored`` runs the vendored DeepSeekMath-style trainer instead of TRL's.
-``--report FILE`` writes per-device peak memory and the time per step as JSON.
+``--report FILE``: rank 0 writes its devices' peak memory and the time per step as JSON.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument("--fast-generation", action="store_true",
                    help="the kit's fast generation (decodes eagerly on a split policy, and says why)")
-    p.add_argument("--report", default=None, help="write per-device peak memory and step times here (JSON)")
+    p.add_argument("--report", default=None, help="rank 0 writes its devices' peak memory and step times here (JSON)")
     return p.parse_args(argv)
 
 
@@ -249,11 +249,15 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = tokenizer_for(args, model.config.vocab_size)
 
     def write_report(timer: StepTimer) -> None:
-        if args.report:
-            Path(args.report).write_text(json.dumps(
+        # rank 0's devices only (every rank writing one path interleaves the files), replaced whole so a
+        # reader never sees half a report
+        if args.report and int(os.environ.get("RANK", "0")) == 0:
+            tmp = Path(f"{args.report}.tmp")
+            tmp.write_text(json.dumps(
                 {"devices": devices, "step_seconds": timer.times, "peak_gib": StepTimer.peaks(devices),
                  "peak_reserved_gib": StepTimer.peaks(devices, reserved=True), "args": vars(args),
                  "world_size": world}, indent=1))
+            os.replace(tmp, args.report)
 
     timer = StepTimer(after_step=write_report)
     if args.trainer == "vendored":
