@@ -8,6 +8,7 @@ import pytest
 
 from grpo_patches.cli import main as cli_main
 from grpo_patches.grouping import check_group_shape
+from grpo_patches.preflight import preflight
 from grpo_patches.preflight.report import GiB
 from grpo_patches.preflight.tune import tune
 
@@ -111,15 +112,22 @@ GRID = {"per_device_train_batch_size": 32, "gradient_accumulation_steps": 32, "m
 GRID_KW = {"reward_models": ["qwen2.5-0.5b"], "prompt_length": 32, "fast_generation": True, "lean_lora": True}
 
 
+def grid_report(micro: int, settings: dict | None = None, **kw):
+    """``preflight``'s report for the grid's layout at micro-batch ``micro`` (one generation round of 1024), as
+    ``tune`` builds each candidate's; ``settings`` override GRPO settings, ``kw`` the preflight options."""
+    rounds = 1024 // micro
+    config = {**GRID, "per_device_train_batch_size": micro, "gradient_accumulation_steps": rounds,
+              "steps_per_generation": rounds, **(settings or {})}
+    return preflight("qwen2-1.5b", grpo_config=config, gpu_memory_gb=24, raise_on_error=False, warn=False,
+                     **{**GRID_KW, **kw})
+
+
 def test_the_training_phase_predicts_the_h200_grid():
     """The training phase's own peak, H200 grid (benchmarks/results/2026-12-03-h200-grid/): the training phase at 128
     compiled, 64 with Liger's kernels in place of compile_training (eager memory), and stock TRL at 128."""
-    def training(micro, **kw):
-        t = tune("qwen2-1.5b", gpu_memory_gb=24, grpo_config=GRID, **{**GRID_KW, **kw})
-        return next(c for c in t.candidates if (c.micro_batch, c.generation_batch) == (micro, 1024)).report
     for micro, kw, measured in ((128, {"compile_training": True}, 13.47), (64, {}, 8.08),
                                 (128, {"fast_generation": False, "lean_lora": False}, 15.31)):
-        predicted = training(micro, **kw).ranks[0].phases["training"] / GiB
+        predicted = grid_report(micro, **kw).ranks[0].phases["training"] / GiB
         assert predicted == pytest.approx(measured, rel=0.07), (micro, kw, predicted)
 
 
@@ -155,8 +163,6 @@ def test_the_report_s_activation_line_is_the_run_s_layers():
     """The "activations: ... with gradient checkpointing" line reads what the table's activations row holds."""
     for kw in ({}, {"compile_training": True}, {"lean_lora": False, "fast_generation": False}):
         for ckpt in (True, False):
-            t = tune("qwen2-1.5b", gpu_memory_gb=24, grpo_config=dict(GRID, gradient_checkpointing=ckpt),
-                     **{**GRID_KW, **kw})
-            report = t.candidates[0].report
+            report = grid_report(128, {"gradient_checkpointing": ckpt}, **kw)
             line = report.activations_checkpointed if ckpt else report.activations_full
             assert line == report.ranks[0].components["activations"], (kw, ckpt)
