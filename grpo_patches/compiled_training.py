@@ -14,10 +14,15 @@ backward), not one per layer or per sequence length. Only calls with autograd on
 and its checkpointed recomputation): sampling and no-grad log-prob passes run the eager layer, so
 generation compiles nothing new and runs exactly as without the option.
 
+The LoRA dropout's random numbers come from ATen's generator (inductor's ``fallback_random``), the
+masks eager PyTorch draws: inductor's own generator runs a Philox draw per element inside each fused
+kernel, and on the H200 that made the compiled layer 6% slower (30.1 against 28.3 ms per 1.5B layer at
+128 x 288 tokens, ``benchmarks/compiled_rng.py``). The checkpointed recomputation reproduces the masks,
+as in eager, from the restored RNG state.
+
 What differs from stock: inductor's fused kernels round differently (fp32 intermediates between the
-fused elementwise ops), and the LoRA dropout's masks come from inductor's generator (same ``p``; the
-checkpointed recomputation reproduces them, as in eager, from the restored RNG state). Single process
-and DDP only: FSDP and DeepSpeed are refused when the trainer is built.
+fused elementwise ops). Single process and DDP only: FSDP and DeepSpeed are refused when the trainer
+is built.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from .swapped import same_name_subclass
 __all__ = ["check_layout", "compiled_layers", "enable_compiled_training"]
 
 _MARK = "_grpo_compiled_training"  # class attribute of the compiled subclasses
+_OPTIONS = {"fallback_random": True}  # inductor settings of the compiled layers: ATen's generator (see above)
 _compiled: Any = None
 
 
@@ -43,7 +49,7 @@ def _layer_forward(layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
 def _compiled_forward() -> Any:
     global _compiled
     if _compiled is None:
-        _compiled = torch.compile(_layer_forward, dynamic=True)
+        _compiled = torch.compile(_layer_forward, dynamic=True, options=dict(_OPTIONS))
     return _compiled
 
 

@@ -3,7 +3,7 @@
 Each compiling test first runs stock (eager) PEFT on the same model and inputs, then the compiled
 layers: the same losses and gradients to fp32 rounding, one graph per shape class shared by every
 layer, no compilation and eager bits where autograd is off (sampling), and the LoRA dropout's masks
-reproduced by the checkpointed recomputation.
+eager's, reproduced by the checkpointed recomputation.
 """
 
 from __future__ import annotations
@@ -109,21 +109,37 @@ def test_no_grad_calls_run_the_eager_layer_and_compile_nothing():
     assert graphs() == before
 
 
-def test_dropout_masks_are_reproduced_by_the_checkpointed_recomputation():
+KIT_OPTIONS = dict(compiled_training._OPTIONS)  # the kit's inductor settings, before a test changes them
+
+
+def _dropout_grads(options, monkeypatch):
+    """(eager PEFT's, the compiled layers', the compiled layers' without checkpointing) loss and LoRA gradients at
+    dropout 0.3, the layers compiled with inductor ``options``."""
+    monkeypatch.setattr(compiled_training, "_OPTIONS", options)
+    monkeypatch.setattr(compiled_training, "_compiled", None)
+    torch._dynamo.reset()
     eager = peft_model(dropout=0.3)
     compiled = copy.deepcopy(eager)
     enable_compiled_training(compiled)
     unchecked = copy.deepcopy(compiled)
     unchecked.gradient_checkpointing_disable()
     batch = ids(12)
-    _, grads_e = step(eager, batch)
-    loss_c, grads_c = step(compiled, batch)
-    loss_u, grads_u = step(unchecked, batch)
+    return step(eager, batch), step(compiled, batch), step(unchecked, batch)
+
+
+def test_dropout_masks_are_eagers_and_reproduced_by_the_checkpointed_recomputation(monkeypatch):
+    """torch.compile's default draws the dropout masks from inductor's own generator (same p, other masks than
+    eager's); the kit's compiled layers draw eager's (ATen's generator), and the recomputation reproduces them."""
+    (_, grads_e), _, (_, grads_u) = _dropout_grads({}, monkeypatch)
+    differ = [n for n, g in grads_e.items() if not torch.allclose(grads_u[n], g, rtol=1e-3, atol=1e-5)]
+    assert differ, "inductor's generator: other masks than eager's"
+
+    (loss_e, grads_e), (loss_c, grads_c), (loss_u, grads_u) = _dropout_grads(KIT_OPTIONS, monkeypatch)
     assert torch.equal(loss_c, loss_u)
+    torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-6)
     for name, grad in grads_u.items():  # a recomputation drawing new masks would give other gradients
         torch.testing.assert_close(grads_c[name], grad, rtol=1e-5, atol=1e-7, msg=name)
-    differ = [n for n, g in grads_e.items() if not torch.allclose(grads_c[n], g, rtol=1e-3, atol=1e-5)]
-    assert differ, "inductor draws its own masks (same p): not eager's"
+        torch.testing.assert_close(grads_c[name], grads_e[name], rtol=1e-4, atol=1e-6, msg=name)  # eager's masks
 
 
 def test_layers_switch_once_keep_their_class_name_and_a_deep_copy_runs_its_own_weights():
