@@ -184,6 +184,13 @@ def _trainer(**apply_kw):
 
 
 def test_trl_trainer_with_compiled_layers_trains_like_stock_and_samples_eagerly(monkeypatch):
+    """Two GRPO steps with LoRA dropout 0.1: the compiled layers draw stock's masks, so the losses and LoRA
+    weights are stock's to fp32 rounding."""
+    from tests import helpers
+
+    dropped = copy.copy(helpers.lora())
+    dropped.lora_dropout = 0.1
+    monkeypatch.setattr(helpers, "lora", lambda: dropped)
     calls = {True: 0, False: 0}
     compiled = compiled_training._compiled_forward
 
