@@ -70,3 +70,98 @@ def test_a_chunk_that_is_not_whole_groups_is_refused():
 
     with pytest.raises(ValueError, match="not whole groups of 2"):
         score_batch(stub_trainer([reward]), batch(3), [0, 0, 1], num_generations=2, with_environments=False)
+
+
+
+class _Scores(torch.Tensor):
+    """A reward model's scores that log when the host reads them back (``.cpu()``, ``.tolist()``, ``.item()``)."""
+
+    events: list[str] = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in (torch.Tensor.cpu, torch.Tensor.tolist, torch.Tensor.item):
+            cls.events.append("model scores read")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+class _LoggingRewardModel(torch.nn.Module):
+    """A sequence classifier stand-in: score = number of tokens; logs its forward; ``nan_row`` scores NaN."""
+
+    def __init__(self, events, nan_row=None):
+        super().__init__()
+        self.events, self.nan_row = events, nan_row
+
+    def forward(self, input_ids, attention_mask, **kwargs):
+        self.events.append("model forward")
+        scores = attention_mask.sum(-1, keepdim=True).float()
+        if self.nan_row is not None and self.nan_row < len(scores):
+            scores[self.nan_row] = float("nan")
+        return types.SimpleNamespace(logits=scores.as_subclass(_Scores))
+
+
+def _reward_setup(nan_row=None):
+    """A logging reward model "rm", then a rule function "rule", over one event list; a tokenizer."""
+    from accelerate import PartialState
+    from trl import GRPOTrainer
+
+    from grpo_patches.testing import tiny_tokenizer
+
+    events = []
+    _Scores.events = events
+    model = _LoggingRewardModel(events, nan_row)
+
+    def rule(completions, **kwargs):
+        events.append("rule")
+        return [1.0] * len(completions)
+
+    PartialState()  # accelerate's gather (upstream's last line) needs a state: one process
+    trainer = GRPOTrainer.__new__(GRPOTrainer)  # only what scoring reads
+    trainer.__dict__.update(
+        accelerator=types.SimpleNamespace(device=torch.device("cpu"), is_main_process=True),
+        args=types.SimpleNamespace(device=torch.device("cpu"), report_to=[]), is_deepspeed_enabled=False,
+        state=types.SimpleNamespace(global_step=0), reward_funcs=[model, rule],
+        reward_processing_classes=[tiny_tokenizer(), None], reward_func_names=["rm", "rule"], environments=None,
+        _log_completion_extra=lambda *a: None, _log_metric=lambda *a: None)
+    return events, trainer
+
+
+def test_upstream_reads_the_reward_models_scores_after_the_later_functions():
+    """TRL 1.16's ``_calculate_rewards`` leaves the model's scores on the device; the next function runs
+    before anything reads them (on a GPU: while the forward runs)."""
+    from trl import GRPOTrainer
+
+    events, trainer = _reward_setup()
+    rewards = GRPOTrainer._calculate_rewards(trainer, [{"prompt": "alpha"}] * 2, ["alpha"] * 2,
+                                             [" beta", " beta gamma"], [[1], [1, 2]])
+    events.append("scores used")
+    assert rewards[:, 0].tolist() == [2.0, 3.0]
+    assert events[:3] == ["model forward", "rule", "scores used"]
+
+
+def test_the_kit_reads_the_reward_models_scores_after_the_later_functions_chunk_by_chunk():
+    events, trainer = _reward_setup()
+    texts = RewardBatch(["alpha"] * 4, [" beta", " beta gamma", " gamma", " beta beta beta"], [[1]] * 4, {})
+    scored = score_batch(trainer, texts, [0, 0, 1, 1], num_generations=2, with_environments=False, chunk_size=2)
+    assert scored.rewards.tolist() == [[2.0, 1.0], [3.0, 1.0], [2.0, 1.0], [4.0, 1.0]]
+    # both chunks launched, the rule run on both, then the scores read back
+    first_read = events.index("model scores read")
+    assert events[:first_read] == ["model forward", "model forward", "rule", "rule"]
+    assert set(events[first_read:]) == {"model scores read"}
+
+
+@pytest.mark.parametrize("policy", ["raise", "no_reward"])
+def test_a_reward_model_nan_is_still_caught_when_its_scores_are_read(policy, capsys):
+    events, trainer = _reward_setup(nan_row=1)
+    texts = RewardBatch(["alpha"] * 4, [" beta"] * 4, [[1]] * 4, {})
+    run = lambda: score_batch(trainer, texts, [0, 0, 1, 1], num_generations=2,  # noqa: E731
+                              with_environments=False, chunk_size=2, on_failure=policy)
+    if policy == "raise":
+        with pytest.raises(ValueError, match="reward model 'rm' gave nan for completion 1"):
+            run()
+        return
+    scored = run()
+    # row 1 of every chunk is NaN: both chunks lose the model's rewards, the rule's stay
+    assert torch.isnan(scored.rewards[:, 0]).all() and scored.rewards[:, 1].tolist() == [1.0] * 4
+    assert scored.failed_calls == 2
+    assert "reward function 'rm' failed on rank 0 for completions 2..3" in capsys.readouterr().err

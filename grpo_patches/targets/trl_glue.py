@@ -255,14 +255,18 @@ def score_batch(trainer: Any, batch: RewardBatch, group_ids: list[int], *, num_g
 
     ``funcs``: ``(function or model, processing class, name)`` triples; default the trainer's.
     ``profile(name)``: the era's ``profiling_context`` around each function's whole share of the
-    step (one timing per function per step, as upstream logs it, however many chunks).
+    step (one timing per function per step, as upstream logs it, however many chunks; for a reward
+    model that is its launch, as upstream's, which does not wait for the device either).
     ``warn_unscored(row)``: upstream's warning (its text, on its logger) for the first row no
     function scored, given that row's keyword arguments as upstream shows them.
     ``on_failure``: what a call (one function on one chunk) that raises does (:class:`SoftFailures`;
     ``rank`` names this rank in what it says).
 
     As upstream: on the calling thread, models and synchronous functions one after another, then
-    the async functions concurrently on the trainer's event loop; the same keyword arguments
+    the async functions concurrently on the trainer's event loop. A reward model's scores are read
+    back (and checked) only after all of them have run, as upstream keeps them on the device until
+    its gather: the model's forward runs on the GPU while the host tokenizes the next chunk and runs
+    the other functions. The same keyword arguments
     (``prompts``, ``completions``, ``completion_ids``, the dataset columns, ``trainer_state``,
     ``log_extra``, ``log_metric``, ``environments``), plus ``num_generations`` and ``group_ids`` for
     functions that accept them (whole-group / listwise rewards: TRL #3896, #4707).
@@ -312,26 +316,48 @@ def score_batch(trainer: Any, batch: RewardBatch, group_ids: list[int], *, num_g
                 column += [math.nan] * (r.stop - r.start)
         return column
 
-    def model_column(model: nn.Module, processing_class: Any, name: str) -> list[float]:
-        def call(r: slice) -> list[float]:
-            values = _score_with_model(trainer, Trainer, model, processing_class, batch.slice(r.start, r.stop))
-            if not torch.isfinite(values).all():
-                bad = int((~torch.isfinite(values)).nonzero()[0, 0])
-                raise ValueError(f"reward model '{name}' gave {values[bad].item()} for completion {r.start + bad}")
-            return values.tolist()
+    def launch_model(model: nn.Module, processing_class: Any, name: str) -> Callable[[], list[float]]:
+        """Run the model on every chunk, not waiting for the device; the returned function reads
+        the scores back (the wait) and checks them."""
+        launched: list[tuple[slice, torch.Tensor | None]] = []
+        for r in slices:
+            try:
+                launched.append((r, _score_with_model(trainer, Trainer, model, processing_class,
+                                                      batch.slice(r.start, r.stop))))
+            except Exception as exc:
+                soft.absorb(exc, f"reward function '{name}'", r)
+                launched.append((r, None))
 
-        return per_call(name, call)
+        def read() -> list[float]:
+            column: list[float] = []
+            for r, scores in launched:
+                try:
+                    if scores is None:  # the launch failed, already absorbed
+                        column += [math.nan] * (r.stop - r.start)
+                        continue
+                    values = scores.cpu()
+                    if not torch.isfinite(values).all():
+                        bad = int((~torch.isfinite(values)).nonzero()[0, 0])
+                        raise ValueError(f"reward model '{name}' gave {values[bad].item()} for completion "
+                                         f"{r.start + bad}")
+                    column += values.tolist()
+                except Exception as exc:
+                    soft.absorb(exc, f"reward function '{name}'", r)
+                    column += [math.nan] * (r.stop - r.start)
+            return column
+
+        return read
 
     def func_column(func: Any, name: str) -> list[float]:
         return per_call(name, lambda r: reward_column(func(**call_kwargs(func, r)), r.stop - r.start, name))
 
-    async_funcs = []
+    async_funcs, reads = [], []
     for i, (func, processing_class, name) in enumerate(funcs):
         if progress is not None:
             progress["now"] = f"reward function '{name}'"
         if isinstance(func, nn.Module):
             with profile(name):
-                rewards[:, i] = torch.tensor(model_column(func, processing_class, name), dtype=torch.float32)
+                reads.append((i, name, launch_model(func, processing_class, name)))
         elif _is_async(func):
             async_funcs.append((i, func, name))
         else:
@@ -342,6 +368,10 @@ def score_batch(trainer: Any, batch: RewardBatch, group_ids: list[int], *, num_g
             progress["now"] = "async reward functions " + ", ".join(f"'{name}'" for _, _, name in async_funcs)
         for i, column in _run_async(trainer, async_funcs, slices, call_kwargs, profile, soft):
             rewards[:, i] = torch.tensor(column, dtype=torch.float32)
+    for i, name, read in reads:
+        if progress is not None:
+            progress["now"] = f"reward function '{name}'"
+        rewards[:, i] = torch.tensor(read(), dtype=torch.float32)
     soft.finish(rewards)
     if warn_unscored is not None:
         _report_unscored(warn_unscored, rewards, batch, environments)
@@ -407,7 +437,7 @@ def _score_with_model(trainer: Any, trainer_cls: type, model: nn.Module, process
                               add_special_tokens=False)
     inputs = trainer_cls._prepare_inputs(trainer, inputs)
     with torch.inference_mode():
-        return model(**inputs).logits[:, 0].float().cpu()
+        return model(**inputs).logits[:, 0].float()  # on the model's device: read back later
 
 
 def log_failed_calls(trainer: Any, count: int) -> None:
