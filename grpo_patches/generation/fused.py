@@ -8,6 +8,10 @@ weight is a view, not a copy), attention over the static cache with the query he
 their K/V head (no ``repeat_kv``), and the same arithmetic as transformers otherwise (RMSNorm in
 fp32, RoPE from the model's own rotary module, softmax in fp32).
 
+Attention runs either as two batched matmuls and an fp32 softmax over the whole static cache, or
+(``FastGenerationConfig.decode_attention``) as one Triton kernel that reads only the slots up to the
+new token's (:mod:`~grpo_patches.generation.decode_attention`); the caller picks with ``kernel``.
+
 It reads the weights the model would use at that moment, so it is only taken where that is the base
 weight of every projection: plain ``nn.Linear`` layers, and LoRA layers that sample from the merged
 buffer (or have their adapters disabled). An active unmerged adapter, a quantized base, sliding
@@ -24,6 +28,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .decode_attention import decode_attention
 
 __all__ = ["FusedDecoder", "fused_support"]
 
@@ -163,11 +169,13 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 def fused_forward(shape: DecoderShape, embed: torch.Tensor, layers: list[tuple], norm: torch.Tensor,
                   head: torch.Tensor, rotary: nn.Module, keys: list[torch.Tensor], values: list[torch.Tensor],
                   tokens: torch.Tensor, position_ids: torch.Tensor, cache_position: torch.Tensor,
-                  key_mask: torch.Tensor) -> torch.Tensor:
+                  key_mask: torch.Tensor, kernel: bool = False) -> torch.Tensor:
     """Logits ``[batch, vocab]`` of one new token per row; writes its K/V at ``cache_position``.
 
     ``key_mask[b, l]``: cache slot ``l`` holds a real token of row ``b`` (left padding is 0); slots
-    after ``cache_position`` are masked here (the causal part).
+    after ``cache_position`` are masked here (the causal part). ``kernel``: attend with
+    :func:`~grpo_patches.generation.decode_attention.decode_attention` (the caller checks that it runs
+    there: :func:`~grpo_patches.generation.decode_attention.use_kernel`), else with the matmuls.
     """
     batch = tokens.shape[0]
     x = F.embedding(tokens, embed)  # [B, 1, h]
@@ -190,11 +198,14 @@ def fused_forward(shape: DecoderShape, embed: torch.Tensor, layers: list[tuple],
         k = k * cos + _rotate_half(k) * sin
         keys[i].index_copy_(2, cache_position, k)
         values[i].index_copy_(2, cache_position, v)
-        # query head j reads K/V head j // groups (transformers' repeat_kv), without the copy
-        qg = q.reshape(batch, shape.kv_heads, groups, shape.head_dim)
-        scores = torch.matmul(qg, keys[i].transpose(-1, -2)) * scale + bias  # [B, kv, groups, L]
-        probs = scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype)
-        attn = torch.matmul(probs, values[i]).reshape(batch, 1, q_size)
+        if kernel:  # the same arithmetic over slots 0 .. cache_position only
+            attn = decode_attention(q, keys[i], values[i], key_mask, cache_position, scale).view(batch, 1, q_size)
+        else:
+            # query head j reads K/V head j // groups (transformers' repeat_kv), without the copy
+            qg = q.reshape(batch, shape.kv_heads, groups, shape.head_dim)
+            scores = torch.matmul(qg, keys[i].transpose(-1, -2)) * scale + bias  # [B, kv, groups, L]
+            probs = scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype)
+            attn = torch.matmul(probs, values[i]).reshape(batch, 1, q_size)
         x = x + _linear(attn, o)
         h = _rms(x, ln2, shape.eps)
         gate, up = _linear(h, gate_up).split([shape.intermediate, shape.intermediate], dim=-1)
@@ -244,5 +255,6 @@ class FusedDecoder:
 
     def __call__(self, keys: list[torch.Tensor], values: list[torch.Tensor], tokens: torch.Tensor,
                  position_ids: torch.Tensor, cache_position: torch.Tensor, key_mask: torch.Tensor,
-                 forward: Any = fused_forward) -> torch.Tensor:
-        return forward(self.shape, *self.args, keys, values, tokens, position_ids, cache_position, key_mask)
+                 forward: Any = fused_forward, kernel: bool = False) -> torch.Tensor:
+        return forward(self.shape, *self.args, keys, values, tokens, position_ids, cache_position, key_mask,
+                       kernel=kernel)

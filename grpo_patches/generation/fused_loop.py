@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from .config import FastGenerationConfig, warn_once
+from .decode_attention import use_kernel
 from .fused import DecoderShape, FusedDecoder, fused_forward
 from .sampler import Sampler, eos_hit, pick, warp
 
@@ -44,14 +45,15 @@ class FusedLoopStats:
     capture_seconds: float = 0.0
     graph_pool_bytes: int = 0  # memory the last capture reserved for its graph's private pool
     last_reason: str = ""  # why the last call did not use the fused step ("" when it did)
+    attention: str = ""  # the last fused call's attention: "kernel" or "matmul" (decode_attention)
     capture_errors: list[str] = field(default_factory=list)
 
 
-def _make_token_step(s: Sampler, shape: DecoderShape) -> Callable:
+def _make_token_step(s: Sampler, shape: DecoderShape, kernel: bool = False) -> Callable:
     def fused_token_step(embed, layers, norm, head, rotary, keys, values, tokens, position_ids, cache_position,
                          key_mask, unfinished, out, t):
         logits = fused_forward(shape, embed, layers, norm, head, rotary, keys, values, tokens, position_ids,
-                               cache_position, key_mask)
+                               cache_position, key_mask, kernel=kernel)
         nxt = pick(warp(logits, s), s)
         nxt = torch.where(unfinished, nxt, torch.full_like(nxt, s.pad))
         out.index_copy_(1, t, nxt.view(-1, 1).to(out.dtype))
@@ -80,12 +82,13 @@ def _compile_kwargs(config: FastGenerationConfig) -> dict[str, Any]:
     return kwargs
 
 
-def _token_step(model: Any, s: Sampler, shape: DecoderShape, config: FastGenerationConfig) -> Callable:
+def _token_step(model: Any, s: Sampler, shape: DecoderShape, config: FastGenerationConfig,
+                kernel: bool = False) -> Callable:
     kwargs = _compile_kwargs(config)
-    key = (s, shape, kwargs["backend"], repr(kwargs.get("options")), config.fullgraph, config.dynamic)
+    key = (s, shape, kwargs["backend"], repr(kwargs.get("options")), config.fullgraph, config.dynamic, kernel)
     steps = _STEPS.setdefault(model, {})
     if key not in steps:
-        steps[key] = torch.compile(_make_token_step(s, shape), **kwargs)
+        steps[key] = torch.compile(_make_token_step(s, shape, kernel), **kwargs)
     return steps[key]
 
 
@@ -127,9 +130,11 @@ def fused_decode(model: Any, decoder: FusedDecoder, cache: Any, first: torch.Ten
     width = 2 + -(-max(n_steps, 1) // chunk) * chunk  # room for a whole last replay
     keys = [layer.keys for layer in cache.layers]
     values = [layer.values for layer in cache.layers]
-    step = _token_step(model, s, decoder.shape, config)
+    kernel = use_kernel(config.decode_attention, device, batch)  # the Triton attention kernel, or the matmuls
+    stats.attention = "kernel" if kernel else "matmul"
+    step = _token_step(model, s, decoder.shape, config, kernel)
     use_graph = graphs is not None and _graphs_on(device) and n_steps > 0 and _FAILED not in graphs
-    entry_key = (batch, keys[0].shape[2], width, s, decoder.shape)
+    entry_key = (batch, keys[0].shape[2], width, s, decoder.shape, kernel)
     entry = graphs.get(entry_key) if use_graph else None
     if entry is None:
         state = (torch.empty(batch, 1, dtype=torch.long, device=device),
