@@ -112,6 +112,9 @@ VARIANTS: dict[str, tuple[dict[str, Any] | None, dict[str, Any]]] = {
         "decode_loop": "graph", "keep_graph": True}, "lean_lora": True, "compile_training": True}, {}),
     # apply(speed=True): fast_generation + lean_lora + compile_training, each at its defaults
     "patched-speed": ({"reward_placement": "local", "speed": True}, {}),
+    # the same with the fused step's attention as matmuls over the whole static cache (no Triton kernel)
+    "patched-speed-matmul": ({"reward_placement": "local", "speed": True,
+                              "fast_generation": {"decode_attention": "matmul"}}, {}),
     # Liger-Kernel's RMSNorm / SwiGLU / RoPE kernels (TRL's use_liger_kernel): on stock TRL, and in place
     # of compile_training on the kit's speed path
     "stock-liger": (None, {"use_liger_kernel": True}),
@@ -668,7 +671,6 @@ def free_memory(cuda: bool) -> None:
 
 def worker(args) -> int:
     """One rank: run every variant (alternating), write its records, rank 0 writes the reports."""
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import logging
     import warnings
 
@@ -834,7 +836,7 @@ def find_max_batch(args) -> int:
             if args.reward_chunk_size:
                 cmd += ["--reward-chunk-size", str(args.reward_chunk_size)]
             env = dict(os.environ, BENCH_RUN_ID=f"probe-{variant}-b{batch}-{time.strftime('%H%M%S')}",
-                       PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+                       PYTHONUNBUFFERED="1")
             t0 = time.perf_counter()
             try:
                 proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.probe_timeout)
@@ -1001,7 +1003,7 @@ def run_grid(args) -> int:
             row["status"] = f"skipped: predicted {row['predicted_gib']:.1f} GiB"
             continue
         env = dict(os.environ, BENCH_RUN_ID=f"grid-{row['tag'].replace(' ', '-')}-{time.strftime('%H%M%S')}",
-                   PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+                   PYTHONUNBUFFERED="1")
         try:
             proc = subprocess.run(grid_command(args, row, runs), env=env, capture_output=True, text=True,
                                   timeout=args.probe_timeout)
