@@ -25,18 +25,22 @@ from tests.fastgen_helpers import (  # noqa: F401  (_fresh: autouse)
 
 @gpu
 @pytest.mark.slow
-def test_gpu_fused_loop_is_one_cuda_graph_per_check_every_tokens_captured_once_and_equal_to_eager():
+@pytest.mark.parametrize("attention", ["matmul", "kernel"])
+def test_gpu_fused_loop_is_one_cuda_graph_per_check_every_tokens_captured_once_and_equal_to_eager(attention):
     model = eos_prone_policy().cuda()
-    kept = FastGenerationConfig(decode_loop="graph", check_every=4, release_after_sampling=False)
+    kept = FastGenerationConfig(decode_loop="graph", check_every=4, release_after_sampling=False,
+                                decode_attention=attention)
     stats = generation.GRAPH_STATS.fused
     captures0, replays0 = stats.captures, stats.replays
     for seed, lengths in enumerate(([5, 9, 7, 3], [11, 4, 8, 6], [2, 13, 9, 9])):
         ids, mask = (t.cuda() for t in batch(lengths, seed=seed))
         assert torch.equal(fast_generate(model, ids, mask, generation_config=greedy(), config=kept),
                            eager_generate(model, ids, mask)), lengths
+        assert stats.attention == attention
     assert stats.capture_errors == [] and stats.captures == captures0 + 1, "captured once, replayed after"
     assert stats.replays - replays0 >= 3 * 2, "12 new tokens in replays of 4"
-    dropped = FastGenerationConfig(decode_loop="graph", check_every=4)  # the default: the graph goes with the cache
+    # the default: the graph goes with the cache
+    dropped = FastGenerationConfig(decode_loop="graph", check_every=4, decode_attention=attention)
     for expected in (1, 2):  # the first still replays the kept graph, then frees it; the second captures anew
         assert torch.equal(fast_generate(model, ids, mask, generation_config=greedy(), config=dropped),
                            eager_generate(model, ids, mask))
