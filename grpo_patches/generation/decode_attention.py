@@ -9,7 +9,8 @@ it loads the head's query group (padded to 16 rows for ``tl.dot``), walks the ca
 in fp32, casts the probabilities to the value dtype before the PV product as the matmul path does,
 and writes the heads' outputs as ``[B, heads * D]``.
 
-It is a torch custom op (``grpo_patches::decode_attention``), so the compiled step treats it as one
+It is a torch custom op (``grpo_patches::decode_attention``; in a fork's copy of this module the
+fork's top package names it, so both can be imported in one process), so the compiled step treats it as one
 opaque call and the fused loop's CUDA-graph capture records it. Triton is optional: this module
 imports without it (:func:`available` is then False) and imports Triton only when the kernel runs.
 CPU tensors run in Triton's interpreter, which needs ``TRITON_INTERPRET=1`` set before Triton is
@@ -29,6 +30,7 @@ __all__ = ["KERNEL_MIN_BATCH", "available", "decode_attention", "use_kernel"]
 KERNEL_MIN_BATCH = 64  # "auto": the kernel on CUDA from this batch on (below it the matmul path is as fast)
 GROUP_PAD = 16  # tl.dot's smallest M
 _HAS_CUSTOM_OP = hasattr(torch, "library") and hasattr(torch.library, "custom_op")
+_NAMESPACE = __name__.split(".")[0]  # the custom op's namespace: this package's
 
 
 @functools.cache
@@ -136,7 +138,7 @@ def _launch(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_mask:
 
 
 if _HAS_CUSTOM_OP:
-    @torch.library.custom_op("grpo_patches::decode_attention", mutates_args=())
+    @torch.library.custom_op(f"{_NAMESPACE}::decode_attention", mutates_args=())
     def _decode_attention_op(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_mask: torch.Tensor,
                              cache_position: torch.Tensor, scale: float, block_l: int,
                              num_warps: int) -> torch.Tensor:
@@ -145,6 +147,8 @@ if _HAS_CUSTOM_OP:
     @_decode_attention_op.register_fake
     def _(q, keys, values, key_mask, cache_position, scale, block_l, num_warps):
         return q.new_empty(q.shape)
+
+    _OP = getattr(torch.ops, _NAMESPACE).decode_attention
 
 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_mask: torch.Tensor,
@@ -159,5 +163,4 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     in ``q``'s dtype: ``softmax(q k^T * scale)`` in fp32, cast to the value dtype, times ``v``.
     """
     q = q.reshape(q.shape[0], -1)
-    return torch.ops.grpo_patches.decode_attention(q, keys, values, key_mask, cache_position, float(scale),
-                                                   int(block_l), int(num_warps))
+    return _OP(q, keys, values, key_mask, cache_position, float(scale), int(block_l), int(num_warps))
