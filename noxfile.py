@@ -251,7 +251,8 @@ def mutations(session: nox.Session) -> None:
     _shared_torch(session)
     session.install(f"trl=={trl}", *(f"{name}=={row[name]}" for name in PINNED), "--exclude-newer",
                     _cap(row["released"]), "--override", _no_torch_override(session))
-    session.install(*TEST_DEPS)
+    # triton: the decode-attention kernel's guards run it in Triton's interpreter (skipped without it)
+    session.install(*TEST_DEPS, "triton; sys_platform == 'linux'")
     _versions(session)
     session.run("python", "tests/mutations.py", *session.posargs, env={"GRPO_PATCHES_TRL_VERSION": trl})
 
