@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import tempfile
+from collections.abc import Iterator
 from typing import Any
 
 try:
@@ -16,6 +19,18 @@ PROJ, SPECIAL, WORDS = testing.PROJ, testing.SPECIAL, testing.WORDS
 prompt_dataset, quiet, tiny_config = testing.prompt_dataset, testing.quiet, testing.tiny_config
 tiny_policy, tiny_reward_model, tiny_tokenizer = testing.tiny_policy, testing.tiny_reward_model, testing.tiny_tokenizer
 lora = testing.tiny_lora
+
+
+@contextlib.contextmanager
+def ctrl_c_raises() -> Iterator[None]:
+    """Python's own Ctrl-C handler (``KeyboardInterrupt``) inside the block. A process a shell without job
+    control starts in the background (``nohup pytest &``) inherits SIGINT ignored, and Python leaves it so:
+    a test that presses Ctrl-C would see nothing happen."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def on_gpu() -> bool:

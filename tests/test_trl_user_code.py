@@ -16,7 +16,7 @@ import time
 import pytest
 
 import grpo_patches
-from tests.helpers import grpo_args, lora, prompt_dataset, quiet, tiny_policy, tiny_tokenizer
+from tests.helpers import ctrl_c_raises, grpo_args, lora, prompt_dataset, quiet, tiny_policy, tiny_tokenizer
 
 quiet()
 
@@ -136,7 +136,7 @@ def test_ctrl_c_during_scoring_then_another_step():
 
     grpo_patches.apply(reward_timeout=5.0)
     trainer = build([reward])
-    with pytest.raises(KeyboardInterrupt):
+    with ctrl_c_raises(), pytest.raises(KeyboardInterrupt):
         trainer.train()
     start = time.monotonic()
     trainer.train()  # the next step scores normally, not timed out at once

@@ -19,6 +19,7 @@ import pytest
 
 from grpo_patches import watchdog
 from grpo_patches.watchdog import Progress, call_with_timeout
+from tests.helpers import ctrl_c_raises
 
 
 def test_runs_on_the_calling_thread():
@@ -85,7 +86,7 @@ def test_keyboard_interrupt_propagates_and_the_next_call_is_clean():
         signal.raise_signal(signal.SIGINT)  # Ctrl-C while the reward function runs
         time.sleep(5)
 
-    with pytest.raises(KeyboardInterrupt):
+    with ctrl_c_raises(), pytest.raises(KeyboardInterrupt):
         call_with_timeout(interrupted, 30, what="t")
     start = time.monotonic()
     assert call_with_timeout(lambda: time.sleep(0.2) or "ok", 2.0, what="t") == "ok"
