@@ -10,8 +10,8 @@ in fp32, casts the probabilities to the value dtype before the PV product as the
 and writes the heads' outputs as ``[B, heads * D]``.
 
 It is a torch custom op (``grpo_patches::decode_attention``; in a fork's copy of this module the
-fork's top package names it, so both can be imported in one process), so the compiled step treats it as one
-opaque call and the fused loop's CUDA-graph capture records it. Triton is optional: this module
+fork's top package names it, so both can be imported in one process), registered at its first use, so the
+compiled step treats it as one opaque call and the fused loop's CUDA-graph capture records it. Triton is optional: this module
 imports without it (:func:`available` is then False) and imports Triton only when the kernel runs.
 CPU tensors run in Triton's interpreter, which needs ``TRITON_INTERPRET=1`` set before Triton is
 first imported (tests, ``benchmarks/decode_attention.py --tiny``); :func:`use_kernel` picks the kernel
@@ -60,8 +60,12 @@ def use_kernel(setting: str, device: torch.device | str, batch: int) -> bool:
     if setting == "matmul":
         return False
     if device.type == "cuda":
-        return (setting == "kernel" or batch >= KERNEL_MIN_BATCH) and available()
-    return setting == "kernel" and device.type == "cpu" and interpreted() and available()
+        chosen = (setting == "kernel" or batch >= KERNEL_MIN_BATCH) and available()
+    else:
+        chosen = setting == "kernel" and device.type == "cpu" and interpreted() and available()
+    if chosen:
+        _op()  # registered here, outside the compiled step
+    return chosen
 
 
 @functools.cache
@@ -137,18 +141,25 @@ def _launch(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_mask:
     return out
 
 
-if _HAS_CUSTOM_OP:
+@functools.cache
+def _op():
+    """Register the custom op, once, at the first use (importing the kit registers nothing)."""
+
     @torch.library.custom_op(f"{_NAMESPACE}::decode_attention", mutates_args=())
-    def _decode_attention_op(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_mask: torch.Tensor,
-                             cache_position: torch.Tensor, scale: float, block_l: int,
-                             num_warps: int) -> torch.Tensor:
+    def op(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_mask: torch.Tensor,
+           cache_position: torch.Tensor, scale: float, block_l: int, num_warps: int) -> torch.Tensor:
         return _launch(q, keys, values, key_mask, cache_position, scale, block_l, num_warps)
 
-    @_decode_attention_op.register_fake
+    @op.register_fake
     def _(q, keys, values, key_mask, cache_position, scale, block_l, num_warps):
         return q.new_empty(q.shape)
 
+    global _OP
     _OP = getattr(torch.ops, _NAMESPACE).decode_attention
+    return _OP
+
+
+_OP = None  # the registered op (set by _op(): the compiled step reads this global, never the cached call)
 
 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_mask: torch.Tensor,
@@ -163,4 +174,5 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     in ``q``'s dtype: ``softmax(q k^T * scale)`` in fp32, cast to the value dtype, times ``v``.
     """
     q = q.reshape(q.shape[0], -1)
-    return _OP(q, keys, values, key_mask, cache_position, float(scale), int(block_l), int(num_warps))
+    op = _OP if _OP is not None else _op()
+    return op(q, keys, values, key_mask, cache_position, float(scale), int(block_l), int(num_warps))
