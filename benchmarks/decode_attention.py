@@ -37,6 +37,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from grpo_patches.generation import decode_attention as attn  # noqa: E402
+from grpo_patches.generation.fused import attention_bias, matmul_attention  # noqa: E402
 
 ITERS = 200  # graph replays per timing
 CONFIGS = ((64, 4), (128, 4), (64, 8), (32, 4))  # kernel (block_l, num_warps)
@@ -44,14 +45,7 @@ CONFIGS = ((64, 4), (128, 4), (64, 8), (32, 4))  # kernel (block_l, num_warps)
 
 def reference(q, keys, values, key_mask, cache_position, scale):
     """The fused step's matmul path (grpo_patches/generation/fused.py) on q ``[B, heads * D]``."""
-    batch, kv_heads, length, dim = keys.shape
-    groups = q.shape[1] // (kv_heads * dim)
-    visible = key_mask & (torch.arange(length, device=q.device) <= cache_position)
-    bias = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill(~visible, torch.finfo(q.dtype).min)
-    qg = q.view(batch, kv_heads, groups, dim)
-    scores = torch.matmul(qg, keys.transpose(-1, -2)) * scale + bias[:, None, None, :]
-    probs = scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(probs, values).reshape(batch, kv_heads * groups * dim)
+    return matmul_attention(q, keys, values, attention_bias(key_mask, cache_position, q.dtype), scale)
 
 
 def inputs(batch, heads, kv_heads, dim, length, pos, dtype, device, seed=0):

@@ -25,6 +25,7 @@ import torch
 
 from grpo_patches import generation
 from grpo_patches.generation import FastGenerationConfig, fast_generate
+from grpo_patches.generation.fused import attention_bias, matmul_attention
 from tests.fastgen_helpers import (  # noqa: F401  (_fresh: autouse)
     Counting,
     _fresh,
@@ -59,15 +60,8 @@ def interpreted(test):
 
 
 def reference(q, keys, values, key_mask, cache_position, scale):
-    """The fused step's matmul path (generation/fused.py), on q ``[B, heads * D]``."""
-    batch_, kv_heads, length, dim = keys.shape
-    groups = q.shape[1] // (kv_heads * dim)
-    visible = key_mask & (torch.arange(length, device=q.device) <= cache_position)
-    bias = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill(~visible, torch.finfo(q.dtype).min)
-    qg = q.view(batch_, kv_heads, groups, dim)
-    scores = torch.matmul(qg, keys.transpose(-1, -2)) * scale + bias[:, None, None, :]
-    probs = scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(probs, values).reshape(batch_, kv_heads * groups * dim)
+    """The fused step's matmul path (grpo_patches/generation/fused.py) on q ``[B, heads * D]``."""
+    return matmul_attention(q, keys, values, attention_bias(key_mask, cache_position, q.dtype), scale)
 
 
 def inputs(rows, kv_heads, groups, dim, length, pos, seed=0):

@@ -166,6 +166,29 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def attention_bias(key_mask: torch.Tensor, cache_position: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Additive mask ``[B, 1, 1, L]`` for :func:`matmul_attention`: 0 where slot ``l`` holds a real token
+    (``key_mask``) at or before ``cache_position`` (the causal part), the dtype's minimum elsewhere."""
+    slots = torch.arange(key_mask.shape[-1], device=key_mask.device)
+    visible = key_mask & (slots <= cache_position)
+    bias = torch.zeros(visible.shape, dtype=dtype, device=key_mask.device).masked_fill(~visible, torch.finfo(dtype).min)
+    return bias[:, None, None, :]
+
+
+def matmul_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """One new token's attention per row over the whole static cache ``[B, kv_heads, L, D]``: two batched
+    matmuls and an fp32 softmax; ``q`` holds ``heads * D`` values per row, returned as ``[B, heads * D]``.
+
+    Query head ``j`` reads K/V head ``j // groups`` (transformers' ``repeat_kv``), without the copy.
+    """
+    batch, kv_heads, _, dim = keys.shape
+    qg = q.reshape(batch, kv_heads, -1, dim)  # [B, kv, groups, D]
+    scores = torch.matmul(qg, keys.transpose(-1, -2)) * scale + bias  # [B, kv, groups, L]
+    probs = scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, values).reshape(batch, -1)
+
+
 def fused_forward(shape: DecoderShape, embed: torch.Tensor, layers: list[tuple], norm: torch.Tensor,
                   head: torch.Tensor, rotary: nn.Module, keys: list[torch.Tensor], values: list[torch.Tensor],
                   tokens: torch.Tensor, position_ids: torch.Tensor, cache_position: torch.Tensor,
@@ -181,12 +204,8 @@ def fused_forward(shape: DecoderShape, embed: torch.Tensor, layers: list[tuple],
     x = F.embedding(tokens, embed)  # [B, 1, h]
     cos, sin = rotary(x, position_ids)
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, 1, D]
-    length = keys[0].shape[2]
-    visible = key_mask & (torch.arange(length, device=tokens.device) <= cache_position)
-    bias = torch.zeros(visible.shape, dtype=x.dtype, device=x.device).masked_fill(~visible, torch.finfo(x.dtype).min)
-    bias = bias[:, None, None, :]  # [B, 1, 1, L]
+    bias = None if kernel else attention_bias(key_mask, cache_position, x.dtype)  # once per token, not per layer
     q_size, kv_size = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
-    groups = shape.heads // shape.kv_heads
     scale = shape.head_dim ** -0.5
     for i, (ln1, qkv, o, ln2, gate_up, down) in enumerate(layers):
         h = _rms(x, ln1, shape.eps)
@@ -201,11 +220,7 @@ def fused_forward(shape: DecoderShape, embed: torch.Tensor, layers: list[tuple],
         if kernel:  # the same arithmetic over slots 0 .. cache_position only
             attn = decode_attention(q, keys[i], values[i], key_mask, cache_position, scale).view(batch, 1, q_size)
         else:
-            # query head j reads K/V head j // groups (transformers' repeat_kv), without the copy
-            qg = q.reshape(batch, shape.kv_heads, groups, shape.head_dim)
-            scores = torch.matmul(qg, keys[i].transpose(-1, -2)) * scale + bias  # [B, kv, groups, L]
-            probs = scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype)
-            attn = torch.matmul(probs, values[i]).reshape(batch, 1, q_size)
+            attn = matmul_attention(q, keys[i], values[i], bias, scale).view(batch, 1, q_size)
         x = x + _linear(attn, o)
         h = _rms(x, ln2, shape.eps)
         gate, up = _linear(h, gate_up).split([shape.intermediate, shape.intermediate], dim=-1)
