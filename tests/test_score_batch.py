@@ -100,8 +100,9 @@ class _LoggingRewardModel(torch.nn.Module):
         return types.SimpleNamespace(logits=scores.as_subclass(_Scores))
 
 
-def _reward_setup(nan_row=None):
-    """A logging reward model "rm", then a rule function "rule", over one event list; a tokenizer."""
+def _reward_setup(nan_row=None, model_first=True):
+    """A logging reward model "rm" and a rule function "rule" (in this order, or the rule listed first and a
+    second rule "rule2" after the model), over one event list; a tokenizer."""
     from accelerate import PartialState
     from trl import GRPOTrainer
 
@@ -115,14 +116,24 @@ def _reward_setup(nan_row=None):
         events.append("rule")
         return [1.0] * len(completions)
 
+    def rule2(completions, **kwargs):
+        events.append("rule2")
+        return [5.0] * len(completions)
+
     PartialState()  # accelerate's gather (upstream's last line) needs a state: one process
     trainer = GRPOTrainer.__new__(GRPOTrainer)  # only what scoring reads
     trainer.__dict__.update(
         accelerator=types.SimpleNamespace(device=torch.device("cpu"), is_main_process=True),
         args=types.SimpleNamespace(device=torch.device("cpu"), report_to=[]), is_deepspeed_enabled=False,
-        state=types.SimpleNamespace(global_step=0), reward_funcs=[model, rule],
-        reward_processing_classes=[tiny_tokenizer(), None], reward_func_names=["rm", "rule"], environments=None,
+        state=types.SimpleNamespace(global_step=0), environments=None,
         _log_completion_extra=lambda *a: None, _log_metric=lambda *a: None)
+    if model_first:
+        trainer.__dict__.update(reward_funcs=[model, rule], reward_processing_classes=[tiny_tokenizer(), None],
+                                reward_func_names=["rm", "rule"])
+    else:
+        trainer.__dict__.update(reward_funcs=[rule, model, rule2],
+                                reward_processing_classes=[None, tiny_tokenizer(), None],
+                                reward_func_names=["rule", "rm", "rule2"])
     return events, trainer
 
 
@@ -147,6 +158,28 @@ def test_the_kit_reads_the_reward_models_scores_after_the_later_functions_chunk_
     # both chunks launched, the rule run on both, then the scores read back
     first_read = events.index("model scores read")
     assert events[:first_read] == ["model forward", "model forward", "rule", "rule"]
+    assert set(events[first_read:]) == {"model scores read"}
+
+
+def test_upstream_runs_the_functions_listed_before_a_reward_model_before_its_forward():
+    from trl import GRPOTrainer
+
+    events, trainer = _reward_setup(model_first=False)
+    rewards = GRPOTrainer._calculate_rewards(trainer, [{"prompt": "alpha"}] * 2, ["alpha"] * 2,
+                                             [" beta", " beta gamma"], [[1], [1, 2]])
+    assert rewards.tolist() == [[1.0, 2.0, 5.0], [1.0, 3.0, 5.0]]
+    assert events == ["rule", "model forward", "rule2"]
+
+
+def test_the_kit_launches_the_reward_models_first_and_keeps_the_functions_order():
+    """The model's forward (on a GPU: asynchronous) runs while the host runs every function, the
+    functions in their listed order; the columns stay in the listed order."""
+    events, trainer = _reward_setup(model_first=False)
+    texts = RewardBatch(["alpha"] * 4, [" beta", " beta gamma", " gamma", " beta beta beta"], [[1]] * 4, {})
+    scored = score_batch(trainer, texts, [0, 0, 1, 1], num_generations=2, with_environments=False, chunk_size=2)
+    assert scored.rewards.tolist() == [[1.0, 2.0, 5.0], [1.0, 3.0, 5.0], [1.0, 2.0, 5.0], [1.0, 4.0, 5.0]]
+    first_read = events.index("model scores read")
+    assert events[:first_read] == ["model forward", "model forward", "rule", "rule", "rule2", "rule2"]
     assert set(events[first_read:]) == {"model scores read"}
 
 

@@ -263,10 +263,10 @@ def score_batch(trainer: Any, batch: RewardBatch, group_ids: list[int], *, num_g
     ``rank`` names this rank in what it says).
 
     As upstream: on the calling thread, models and synchronous functions one after another, then
-    the async functions concurrently on the trainer's event loop. A reward model's scores are read
-    back (and checked) only after all of them have run, as upstream keeps them on the device until
-    its gather: the model's forward runs on the GPU while the host tokenizes the next chunk and runs
-    the other functions. The same keyword arguments
+    the async functions concurrently on the trainer's event loop; but the reward models first, and their
+    scores read back (and checked) only after every function has run (upstream keeps them on the device
+    until its gather): a model's forward runs on the GPU while the host tokenizes its next chunk and runs
+    the functions, which keep their listed order. The same keyword arguments
     (``prompts``, ``completions``, ``completion_ids``, the dataset columns, ``trainer_state``,
     ``log_extra``, ``log_metric``, ``environments``), plus ``num_generations`` and ``group_ids`` for
     functions that accept them (whole-group / listwise rewards: TRL #3896, #4707).
@@ -352,7 +352,11 @@ def score_batch(trainer: Any, batch: RewardBatch, group_ids: list[int], *, num_g
         return per_call(name, lambda r: reward_column(func(**call_kwargs(func, r)), r.stop - r.start, name))
 
     async_funcs, reads = [], []
-    for i, (func, processing_class, name) in enumerate(funcs):
+    # Reward models first (each kind stays in its listed order): their forwards run on the device while
+    # the host runs the functions. Upstream runs a model where it is listed, after the functions before it.
+    order = sorted(range(len(funcs)), key=lambda i: not isinstance(funcs[i][0], nn.Module))
+    for i in order:
+        func, processing_class, name = funcs[i]
         if progress is not None:
             progress["now"] = f"reward function '{name}'"
         if isinstance(func, nn.Module):
