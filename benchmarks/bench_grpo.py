@@ -41,7 +41,10 @@ counters over the run (retries after a failed allocation, cudaMalloc / cudaFree 
 Profiles of one timed method (e.g. ``training_step``) into ``BENCH_PROFILE_DIR``: ``BENCH_PROFILE=name``
 its Python call tree (cProfile), ``BENCH_KERNELS=name`` its CUDA kernels by kind and by name (the
 last call's, ``kernels-<name>-<variant>-rank<r>.json``), over the timed steps only (not the warm-up's
-compilation). Both slow the profiled calls: profile in a
+compilation), ``BENCH_TRACE=name[,name]`` a host + device timeline of its first timed call (a gzipped Chrome
+trace, ``trace-<name>-<variant>-rank<r>.json.gz``, with Python stacks unless ``BENCH_TRACE_NO_STACK`` names
+it; open it in Perfetto). All three slow the
+profiled calls: profile in a
 run of its own, not in the one whose step times are reported.
 """
 
@@ -424,6 +427,10 @@ class StepTimer:
 
         kernels_to = (os.environ.get("BENCH_PROFILE_DIR") if os.environ.get("BENCH_KERNELS") == name
                       and torch.cuda.is_available() else None)  # kernels: CUDA only
+        trace_to = (os.environ.get("BENCH_PROFILE_DIR")
+                    if name in os.environ.get("BENCH_TRACE", "").split(",") else None)
+        stacks = name not in os.environ.get("BENCH_TRACE_NO_STACK", "").split(",")
+        traced = []  # one trace: the first timed call's
 
         phase_peak = timer.cuda and name in PEAK_PHASES
 
@@ -436,7 +443,21 @@ class StepTimer:
             profiling = profiler is not None and len(timer.steps) >= timer.warmup  # timed steps only
             if profiling:
                 profiler.enable()
-            if kernels_to:  # the device kernels of each call; the last call's table is kept
+            tracing = trace_to and not traced and len(timer.steps) >= timer.warmup
+            if tracing:  # host and device timeline of one timed call, Python stacks included
+                from torch.profiler import ProfilerActivity, profile
+
+                traced.append(True)
+                activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if timer.cuda else [])
+                with profile(activities=activities, with_stack=stacks) as prof:
+                    with torch.profiler.record_function(f"bench/{name}"):
+                        out = original(*a, **kw)
+                    timer.sync()
+                Path(trace_to).mkdir(parents=True, exist_ok=True)
+                raw = Path(trace_to) / f"trace-{name}-{timer.label.replace('#', '_')}-rank{timer.rank}.json"
+                prof.export_chrome_trace(str(raw))
+                subprocess.run(["gzip", "-f", str(raw)], check=False)
+            elif kernels_to:  # the device kernels of each call; the last call's table is kept
                 from torch.profiler import ProfilerActivity, profile
 
                 with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -446,7 +467,8 @@ class StepTimer:
                 (Path(kernels_to) / f"kernels-{name}-{timer.label.replace('#', '_')}-rank{timer.rank}.json").write_text(
                     json.dumps(kernel_table(prof.events(), 1), indent=2))
             else:
-                out = original(*a, **kw)
+                with torch.profiler.record_function(f"bench/{name}"):  # a label in any outer trace
+                    out = original(*a, **kw)
             timer.sync()
             if profiling:
                 import io

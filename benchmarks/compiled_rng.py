@@ -9,13 +9,18 @@ kernel of its own).
 Training: ``--layers`` Qwen2.5-1.5B-shaped decoder layers (random weights) with the kit's pinned LoRA
 (r16, dropout 0.05, seven projections), ``lean_lora`` and ``compile_training``, gradient checkpointing on,
 bf16 autocast, one micro-batch of ``--micro-batch`` x ``--seq`` tokens: forward, recomputation and backward,
-per layer. Sampling: ``sampler.pick(sampler.warp(...))`` over ``[--rows, vocab]`` bf16 logits, compiled
-as the fused decode step compiles it, and eager ``torch.multinomial`` (what transformers samples with).
+per layer (``--lora-dropout``, ``--modes`` vary it). Sampling, over ``[rows, vocab]`` bf16 logits at
+``--rows``, 192 and 8 rows: ``sampler.pick(sampler.warp(...))`` compiled as the fused decode step compiles
+it, plain (temperature 1) and with the pinned temperature 0.7 / top-p 0.9, whose top-p is timed three
+ways: a sort of the vocabulary (transformers' way), ``sampler.nucleus`` at 2, 4 and 16 cuts a pass, and
+``warp``'s default; and eager ``torch.multinomial`` (what transformers samples with). A variant that fails
+to compile is recorded with its error.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -58,7 +63,7 @@ def training(args, device: torch.device) -> dict:
     cfg.num_hidden_layers = args.layers
     torch.manual_seed(0)
     base = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16 if cuda else torch.float32).to(device)
-    model = get_peft_model(base, lora_config())
+    model = get_peft_model(base, lora_config(lora_dropout=args.lora_dropout))
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.enable_input_require_grads()
     model.train()
@@ -67,7 +72,10 @@ def training(args, device: torch.device) -> dict:
     mask = torch.ones_like(ids)
     inner = model.get_base_model().model  # the decoder stack: no LM head, so the time is the layers'
     out: dict = {}
-    for mode, options in [("eager", None), *MODES.items()]:  # eager first: the layers are switched after it
+    modes = [("eager", None), *MODES.items()]
+    if args.modes:
+        modes = [(m, o) for m, o in modes if m in args.modes.split(",")]
+    for mode, options in modes:  # eager first: the layers are switched after it
         if options is not None:  # the kit's compiled layers, compiled anew with these inductor settings
             torch._dynamo.reset()
             compiled_training._OPTIONS, compiled_training._compiled = options, None
@@ -92,25 +100,66 @@ def training(args, device: torch.device) -> dict:
     return out
 
 
-def sampling(args, device: torch.device) -> dict:
+def _sorted_top_p(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """transformers' TopPLogitsWarper (a sort of the vocabulary), the kit's top-p before ``sampler.nucleus``."""
+    scores = logits.float() / temperature
+    sorted_scores, order = torch.sort(scores, descending=False)
+    remove = sorted_scores.softmax(-1).cumsum(-1) <= (1 - top_p)
+    remove[..., -1:] = False
+    return scores.masked_fill(remove.scatter(-1, order, remove), -float("inf"))
+
+
+def _sampling_fns() -> dict:
+    """The pick variants timed, by name: each a function of the logits."""
+    from grpo_patches.generation import sampler
     from grpo_patches.generation.sampler import Sampler, pick, warp
 
+    plain = Sampler(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, eos=(1,), pad=0)
+    pinned = Sampler(do_sample=True, temperature=0.7, top_k=0, top_p=0.9, eos=(1,), pad=0)
+    fallback = MODES["fallback_random"]
+
+    def plain_pick(x, s=plain):
+        return pick(warp(x, s), s)
+
+    def sorted_pick(x, s=pinned):
+        return pick(_sorted_top_p(x, s.temperature, s.top_p), s)
+
+    def nucleus_pick(x, ways, s=pinned):
+        scores = x.float() / s.temperature
+        keys, bits = sampler.order_keys(x)
+        return pick(scores.masked_fill(~sampler.nucleus(scores, keys, bits, s.top_p, ways), -float("inf")), s)
+
+    fns = {"eager multinomial": lambda x: torch.multinomial(x.float().softmax(-1), 1)}
+    for mode, options in MODES.items():
+        fns[f"compiled plain, {mode}"] = torch.compile(plain_pick, options=dict(options))
+    fns["compiled top-p 0.9 T0.7 by sort"] = torch.compile(sorted_pick, options=dict(fallback))
+    for ways in (2, 4, 16):
+        fns[f"compiled top-p 0.9 T0.7 by nucleus, {ways} ways"] = torch.compile(
+            functools.partial(nucleus_pick, ways=ways), options=dict(fallback))
+    fns["compiled top-p 0.9 T0.7 by warp (the kit's default)"] = torch.compile(
+        functools.partial(plain_pick, s=pinned), options=dict(fallback))
+    return fns
+
+
+def sampling(args, device: torch.device) -> dict:
     cuda = device.type == "cuda"
     vocab = 512 if args.tiny else 151936
-    s = Sampler(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, eos=(1,), pad=0)
-    logits = torch.randn(args.rows, vocab, device=device, dtype=torch.bfloat16)
     out: dict = {}
-    fns = {"eager multinomial": lambda: torch.multinomial(logits.float().softmax(-1), 1)}
-    for mode, options in MODES.items():
-        torch._dynamo.reset()
-        fns[f"compiled, {mode}"] = torch.compile(lambda x: pick(warp(x, s), s), options=dict(options))
-    for name, fn in fns.items():
-        call = (lambda f=fn: f(logits)) if name.startswith("compiled") else fn
-        for _ in range(args.warmup):
-            call()
-        seconds = _timed(call, args.reps * 4, cuda)
-        out[name] = {"ms": seconds * 1e3}
-        print(f"sampling {name}: {seconds * 1e3:.3f} ms over [{args.rows}, {vocab}]", flush=True)
+    rows_list = sorted({args.rows, 192, 8} if not args.tiny else {args.rows}, reverse=True)
+    for rows in rows_list:
+        logits = torch.randn(rows, vocab, device=device, dtype=torch.bfloat16) * 3
+        for name, fn in _sampling_fns().items():
+            torch._dynamo.reset()
+            try:
+                for _ in range(args.warmup):
+                    fn(logits)
+                seconds = _timed(functools.partial(fn, logits), args.reps * 4, cuda)
+            except Exception as exc:  # noqa: BLE001 - a failed compile is a result too
+                out[f"{name} [{rows}]"] = {"error": repr(exc)[:300]}
+                print(f"sampling {name}: FAILED over [{rows}, {vocab}]: {type(exc).__name__}", flush=True)
+                continue
+            out[f"{name} [{rows}]"] = {"ms": seconds * 1e3}
+            print(f"sampling {name}: {seconds * 1e3:.3f} ms over [{rows}, {vocab}]", flush=True)
     return out
 
 
@@ -121,6 +170,10 @@ def main() -> None:
     p.add_argument("--micro-batch", type=int, default=128)
     p.add_argument("--seq", type=int, default=288, help="tokens per row (32-token prompt + 256 completion)")
     p.add_argument("--rows", type=int, default=1024, help="sampling: rows of logits (the generation batch)")
+    p.add_argument("--lora-dropout", type=float, default=0.05, help="training: the LoRA dropout (0: none)")
+    p.add_argument("--modes", default="", help="training: a comma list of eager,inductor,fallback_random")
+    p.add_argument("--no-sampling", action="store_true")
+    p.add_argument("--no-training", action="store_true")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--out", type=Path)
@@ -130,7 +183,8 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
               "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-              "sampling": sampling(args, device), "training": training(args, device)}
+              "sampling": None if args.no_sampling else sampling(args, device),
+              "training": None if args.no_training else training(args, device)}
     if args.out:
         args.out.write_text(json.dumps(result, indent=2))
 

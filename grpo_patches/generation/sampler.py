@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Sampler", "eos_hit", "pick", "warp"]
+__all__ = ["Sampler", "eos_hit", "nucleus", "order_keys", "pick", "warp"]
 
 
 @dataclass(frozen=True)
@@ -35,11 +35,53 @@ def warp(logits: torch.Tensor, s: Sampler) -> torch.Tensor:
         kth = torch.topk(scores, k).values[..., -1:]
         scores = scores.masked_fill(scores < kth, -math.inf)  # ties with the k-th are kept
     if s.top_p < 1.0:
-        sorted_scores, order = torch.sort(scores, descending=False)
-        remove = sorted_scores.softmax(-1).cumsum(-1) <= (1 - s.top_p)
-        remove[..., -1:] = False  # the most likely token is always kept
-        scores = scores.masked_fill(remove.scatter(-1, order, remove), -math.inf)
+        keys, bits = order_keys(logits if logits.element_size() == 2 else scores)
+        scores = scores.masked_fill(~nucleus(scores, keys, bits, s.top_p), -math.inf)
     return scores
+
+
+def order_keys(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``(keys, bits)``: int32 keys in the order of the float values ``x``, from their bit patterns, and how
+    many bits they span (16 for 16-bit floats, else 32).
+
+    ``logits.float() / temperature`` keeps the order of 16-bit logits and keeps distinct ones distinct, so
+    their 16-bit keys order the scores exactly and halve the nucleus search."""
+    short = x.element_size() == 2
+    raw = x.view(torch.int16) if short else x.float().view(torch.int32)
+    flip = 0x7FFF if short else 0x7FFFFFFF  # a negative float's magnitude bits run against its order
+    return torch.where(raw < 0, raw ^ flip, raw).to(torch.int32), 16 if short else 32
+
+
+def nucleus(scores: torch.Tensor, keys: torch.Tensor, bits: int, top_p: float, ways: int = 16) -> torch.Tensor:
+    """The tokens transformers' ``TopPLogitsWarper(top_p)`` keeps, found without sorting the vocabulary.
+
+    A token is kept iff the probability mass of the tokens scoring strictly higher is below ``top_p`` (so the
+    most likely one always): every token whose key is at or above one threshold. A search over the key range
+    finds it, each pass cutting the candidate interval into ``ways`` parts and summing the mass above each cut
+    (one reduction per cut over the same rows, which inductor fuses), on fixed shapes. The sort it replaces
+    cost 14 ms per decode step at 1024 rows of a 152k vocabulary on an H200 (the rest of the step ~10 ms), and
+    its cumulative sum failed inductor's code generation at 8 rows. Differences from the sort: tokens tied
+    with the threshold are kept together (the sort keeps an arbitrary part of such a tie), and a boundary mass
+    within fp32 rounding of ``top_p`` may fall the other way.
+    """
+    weights = torch.exp(scores - scores.amax(-1, keepdim=True))  # unnormalized softmax; -inf scores weigh 0
+    total = weights.sum(-1)
+    tail = top_p > 0.5  # sum the smaller side (the tail at or below a cut, or the mass above it): less rounding
+    target = (1 - top_p) * total if tail else top_p * total
+    lo = torch.full_like(total, -(2 ** (bits - 1)), dtype=torch.int64)
+    size = 2 ** bits
+    while size > 1:
+        part = max(size // ways, 1)
+        past = []  # per cut: does the threshold lie above it (the mass above the cut still at least top_p)?
+        for i in range(1, size // part):
+            cut = (lo + i * part - 1).unsqueeze(-1)
+            if tail:
+                past.append((torch.where(keys <= cut, weights, 0.0).sum(-1) <= target).long())
+            else:
+                past.append((torch.where(keys > cut, weights, 0.0).sum(-1) >= target).long())
+        lo = lo + sum(past) * part  # the threshold's part: the first whose upper cut leaves less than top_p above
+        size = part
+    return keys >= lo.unsqueeze(-1)
 
 
 def pick(scores: torch.Tensor, s: Sampler) -> torch.Tensor:
