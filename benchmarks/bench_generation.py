@@ -124,15 +124,20 @@ def floor_ms(model, batch: int, cache_len: int) -> tuple[float, float]:
     return params / H200_BYTES_PER_S * 1e3, kv / H200_BYTES_PER_S * 1e3
 
 
+#: the sampler's temperature and top-p (``--temperature`` / ``--top-p``; GRPOConfig's defaults: 1.0, 1.0)
+SAMPLING = {"temperature": 1.0, "top_p": 1.0}
+
+
 def trl_generation_config(new_tokens: int, *, graph: bool = False):
-    """TRL 1.16's GenerationConfig for the transformers path (GRPOConfig defaults), full-length rows.
+    """TRL 1.16's GenerationConfig for the transformers path (GRPOConfig defaults unless ``--temperature`` /
+    ``--top-p`` set them), full-length rows.
 
     ``graph``: full-length rows without ``min_new_tokens`` (which the graph loop does not implement):
     no EOS token at all instead."""
     from transformers import GenerationConfig
 
     kwargs = {"max_new_tokens": new_tokens, "do_sample": True, "pad_token_id": PAD, "bos_token_id": BOS,
-              "eos_token_id": [EOS], "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": None,
+              "eos_token_id": [EOS], **SAMPLING, "top_k": 0, "min_p": None,
               "repetition_penalty": 1.0, "cache_implementation": None, "min_new_tokens": new_tokens}
     if graph:
         kwargs.update(eos_token_id=[], min_new_tokens=None)
@@ -541,6 +546,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-length", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3, help="timed generate calls after the first (generate mode)")
     ap.add_argument("--steps", type=int, default=5, help="timed trainer steps after the first (--trl-step)")
+    ap.add_argument("--temperature", type=float, default=1.0, help="the sampler's (the kit's pinned: 0.7)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="the sampler's (the kit's pinned: 0.9)")
     ap.add_argument("--bucket", type=int, default=64)
     ap.add_argument("--backend", default="inductor")
     ap.add_argument("--mode", default="reduce-overhead")
@@ -561,6 +568,7 @@ def main(argv=None) -> int:
     if bad := [n for n in loops if n not in generation.DECODE_LOOPS]:
         ap.error(f"unknown decode loop {bad}; choose from {list(generation.DECODE_LOOPS)}")
     args.path_list = [n.strip() for n in args.paths.split(",") if n.strip()]
+    SAMPLING.update(temperature=args.temperature, top_p=args.top_p)
     if args.new_tokens is None:
         args.new_tokens = 16 if names == ["tiny"] else 256
     if names == ["tiny"] and args.prompt_length == 128:

@@ -42,8 +42,8 @@ Profiles of one timed method (e.g. ``training_step``) into ``BENCH_PROFILE_DIR``
 its Python call tree (cProfile), ``BENCH_KERNELS=name`` its CUDA kernels by kind and by name (the
 last call's, ``kernels-<name>-<variant>-rank<r>.json``), over the timed steps only (not the warm-up's
 compilation), ``BENCH_TRACE=name[,name]`` a host + device timeline of its first timed call (a gzipped Chrome
-trace, ``trace-<name>-<variant>-rank<r>.json.gz``, with Python stacks unless ``BENCH_TRACE_NO_STACK`` names
-it; open it in Perfetto). All three slow the
+trace, ``trace-<name>-<variant>-rank<r>.json.gz``, with Python stacks where ``BENCH_TRACE_STACK`` names it;
+open it in Perfetto; a training step's is one after that step's sampling). All three slow the
 profiled calls: profile in a
 run of its own, not in the one whose step times are reported.
 """
@@ -121,6 +121,9 @@ VARIANTS: dict[str, tuple[dict[str, Any] | None, dict[str, Any]]] = {
     # Liger-Kernel's RMSNorm / SwiGLU / RoPE kernels (TRL's use_liger_kernel): on stock TRL, and in place
     # of compile_training on the kit's speed path
     "stock-liger": (None, {"use_liger_kernel": True}),
+    # the kit's pinned sampler (grpo_config(): temperature 0.7, top-p 0.9) instead of GRPOConfig's 1.0 / 1.0
+    "stock-pinned-sampler": (None, {"temperature": 0.7, "top_p": 0.9}),
+    "patched-speed-pinned-sampler": ({"reward_placement": "local", "speed": True}, {"temperature": 0.7, "top_p": 0.9}),
     "patched-speed-liger": ({"reward_placement": "local", "speed": True, "compile_training": False},
                             {"use_liger_kernel": True}),
 }
@@ -368,6 +371,9 @@ def rule_reward(completions, **kwargs):
 # ----------------------------------------------------------------------------------------- timing
 
 
+_TRACING: list[str] = []  # the method whose trace is being recorded (torch.profiler does not nest)
+
+
 class StepTimer:
     """TrainerCallback + method wrappers: per-step wall time and phase times, CUDA-synchronized."""
 
@@ -429,7 +435,7 @@ class StepTimer:
                       and torch.cuda.is_available() else None)  # kernels: CUDA only
         trace_to = (os.environ.get("BENCH_PROFILE_DIR")
                     if name in os.environ.get("BENCH_TRACE", "").split(",") else None)
-        stacks = name not in os.environ.get("BENCH_TRACE_NO_STACK", "").split(",")
+        stacks = name in os.environ.get("BENCH_TRACE_STACK", "").split(",")
         traced = []  # one trace: the first timed call's
 
         phase_peak = timer.cuda and name in PEAK_PHASES
@@ -443,11 +449,15 @@ class StepTimer:
             profiling = profiler is not None and len(timer.steps) >= timer.warmup  # timed steps only
             if profiling:
                 profiler.enable()
-            tracing = trace_to and not traced and len(timer.steps) >= timer.warmup
-            if tracing:  # host and device timeline of one timed call, Python stacks included
+            # one timed call, never inside another's trace (torch.profiler does not nest); a training step
+            # after this step's sampling, so that its trace is of training alone
+            tracing = (trace_to and not traced and not _TRACING and len(timer.steps) >= timer.warmup
+                       and (name != "training_step" or "_generate" in (timer.cur or {})))
+            if tracing:  # host and device timeline of one timed call
                 from torch.profiler import ProfilerActivity, profile
 
                 traced.append(True)
+                _TRACING.append(name)
                 activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if timer.cuda else [])
                 with profile(activities=activities, with_stack=stacks) as prof:
                     with torch.profiler.record_function(f"bench/{name}"):
@@ -455,6 +465,7 @@ class StepTimer:
                     timer.sync()
                 Path(trace_to).mkdir(parents=True, exist_ok=True)
                 raw = Path(trace_to) / f"trace-{name}-{timer.label.replace('#', '_')}-rank{timer.rank}.json"
+                _TRACING.clear()
                 prof.export_chrome_trace(str(raw))
                 subprocess.run(["gzip", "-f", str(raw)], check=False)
             elif kernels_to:  # the device kernels of each call; the last call's table is kept

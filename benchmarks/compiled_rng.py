@@ -4,13 +4,13 @@ kernel that uses it) and with ``fallback_random`` (ATen's generator, four values
 kernel of its own).
 
     python benchmarks/compiled_rng.py --out rng.json            # a GPU: the 1.5B shapes of the GRPO grid
-    python benchmarks/compiled_rng.py --tiny --out rng-cpu.json  # anywhere: the code path, small shapes
+    python benchmarks/compiled_rng.py --tiny --rows 8 --out rng-cpu.json  # anywhere: the code path, small shapes
 
 Training: ``--layers`` Qwen2.5-1.5B-shaped decoder layers (random weights) with the kit's pinned LoRA
 (r16, dropout 0.05, seven projections), ``lean_lora`` and ``compile_training``, gradient checkpointing on,
 bf16 autocast, one micro-batch of ``--micro-batch`` x ``--seq`` tokens: forward, recomputation and backward,
 per layer (``--lora-dropout``, ``--modes`` vary it). Sampling, over ``[rows, vocab]`` bf16 logits at
-``--rows``, 192 and 8 rows: ``sampler.pick(sampler.warp(...))`` compiled as the fused decode step compiles
+each of ``--rows`` (1024, 192 and 8): ``sampler.pick(sampler.warp(...))`` compiled as the fused decode step compiles
 it, plain (temperature 1) and with the pinned temperature 0.7 / top-p 0.9, whose top-p is timed three
 ways: a sort of the vocabulary (transformers' way), ``sampler.nucleus`` at 2, 4 and 16 cuts a pass, and
 ``warp``'s default; and eager ``torch.multinomial`` (what transformers samples with). A variant that fails
@@ -145,7 +145,7 @@ def sampling(args, device: torch.device) -> dict:
     cuda = device.type == "cuda"
     vocab = 512 if args.tiny else 151936
     out: dict = {}
-    rows_list = sorted({args.rows, 192, 8} if not args.tiny else {args.rows}, reverse=True)
+    rows_list = sorted({int(r) for r in str(args.rows).split(",")}, reverse=True)
     for rows in rows_list:
         logits = torch.randn(rows, vocab, device=device, dtype=torch.bfloat16) * 3
         for name, fn in _sampling_fns().items():
@@ -169,7 +169,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--micro-batch", type=int, default=128)
     p.add_argument("--seq", type=int, default=288, help="tokens per row (32-token prompt + 256 completion)")
-    p.add_argument("--rows", type=int, default=1024, help="sampling: rows of logits (the generation batch)")
+    p.add_argument("--rows", default="1024,192,8", help="sampling: comma list of rows of logits (generation batches)")
     p.add_argument("--lora-dropout", type=float, default=0.05, help="training: the LoRA dropout (0: none)")
     p.add_argument("--modes", default="", help="training: a comma list of eager,inductor,fallback_random")
     p.add_argument("--no-sampling", action="store_true")

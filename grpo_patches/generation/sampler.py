@@ -47,13 +47,14 @@ def order_keys(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     ``logits.float() / temperature`` keeps the order of 16-bit logits and keeps distinct ones distinct, so
     their 16-bit keys order the scores exactly and halve the nucleus search."""
     short = x.element_size() == 2
-    raw = x.view(torch.int16) if short else x.float().view(torch.int32)
-    flip = 0x7FFF if short else 0x7FFFFFFF  # a negative float's magnitude bits run against its order
-    return torch.where(raw < 0, raw ^ flip, raw).to(torch.int32), 16 if short else 32
+    raw = (x.view(torch.int16) if short else x.float().view(torch.int32)).to(torch.int32)
+    magnitude = raw & (0x7FFF if short else 0x7FFFFFFF)  # sign-magnitude: -0.0 and 0.0 both 0
+    return torch.where(raw < 0, -magnitude, magnitude), 16 if short else 32
 
 
 def nucleus(scores: torch.Tensor, keys: torch.Tensor, bits: int, top_p: float, ways: int = 16) -> torch.Tensor:
-    """The tokens transformers' ``TopPLogitsWarper(top_p)`` keeps, found without sorting the vocabulary.
+    """The tokens transformers' ``TopPLogitsWarper(top_p)`` keeps, found without sorting the vocabulary
+    (``ways`` >= 2).
 
     A token is kept iff the probability mass of the tokens scoring strictly higher is below ``top_p`` (so the
     most likely one always): every token whose key is at or above one threshold. A search over the key range
@@ -71,9 +72,9 @@ def nucleus(scores: torch.Tensor, keys: torch.Tensor, bits: int, top_p: float, w
     lo = torch.full_like(total, -(2 ** (bits - 1)), dtype=torch.int64)
     size = 2 ** bits
     while size > 1:
-        part = max(size // ways, 1)
+        part = -(-size // ways)  # the last part may be shorter: it only reaches past the key range
         past = []  # per cut: does the threshold lie above it (the mass above the cut still at least top_p)?
-        for i in range(1, size // part):
+        for i in range(1, -(-size // part)):
             cut = (lo + i * part - 1).unsqueeze(-1)
             if tail:
                 past.append((torch.where(keys <= cut, weights, 0.0).sum(-1) <= target).long())
