@@ -131,7 +131,8 @@ VARIANTS: dict[str, tuple[dict[str, Any] | None, dict[str, Any]]] = {
 OVERHEAD_PAIRS = [("patched-graph", "stock-graph", 1.01)]
 #: step time / stock targets: no overhead for the patches alone, 5x faster with fast generation.
 STEP_TARGETS = {"patched-local": 1.01, "patched-main": 1.01, "patched-fast": 0.2, "patched-graph": 0.08}
-#: timed methods whose own peak allocated memory each step records (``<name>_peak_bytes``): sampling with
+#: timed methods whose own peak allocated and reserved memory each step records (``<name>_peak_bytes``,
+#: ``<name>_reserved_bytes``: the allocator's fragmentation is their difference): sampling with
 #: scoring, and each training micro-batch, so preflight's generation and training phases are checked apart
 PEAK_PHASES = ("_generate_and_score_completions", "training_step")
 SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>"]  # ids 0..3
@@ -494,9 +495,10 @@ class StepTimer:
                     text.getvalue())
             if timer.cur is not None:
                 timer.cur[name] = timer.cur.get(name, 0.0) + time.perf_counter() - t0
-                if phase_peak:
-                    key = f"{name}_peak_bytes"
+                if phase_peak:  # allocated (what preflight predicts) and reserved (with the allocator's slack)
+                    key, reserved = f"{name}_peak_bytes", f"{name}_reserved_bytes"
                     timer.cur[key] = max(timer.cur.get(key, 0), torch.cuda.max_memory_allocated())
+                    timer.cur[reserved] = max(timer.cur.get(reserved, 0), torch.cuda.max_memory_reserved())
                 if count_tokens:  # _generate returns (prompt_ids, completion_ids, ...), lists of id lists
                     timer.cur["completion_tokens"] = timer.cur.get("completion_tokens", 0) + sum(
                         len(ids) for ids in out[1])
@@ -573,6 +575,8 @@ def derive(step: dict[str, float]) -> dict[str, float]:
         "tokens_per_s": step.get("completion_tokens", 0.0) / total if total else 0.0,
         "sample_peak_gib": step.get("_generate_and_score_completions_peak_bytes", 0) / GiB or None,
         "train_peak_gib": step.get("training_step_peak_bytes", 0) / GiB or None,
+        "sample_reserved_gib": step.get("_generate_and_score_completions_reserved_bytes", 0) / GiB or None,
+        "train_reserved_gib": step.get("training_step_reserved_bytes", 0) / GiB or None,
     }
 
 
@@ -989,11 +993,13 @@ def predicted_gib(args, row: dict[str, Any]) -> float:
     context out), with the variant's fast_generation / lean_lora / compile_training."""
     from grpo_patches.preflight import RewardModelSpec, preflight
 
-    options = VARIANTS[row["variant"]][0] or {}
+    options, overrides = VARIANTS[row["variant"]]
+    options = options or {}
     speed = bool(options.get("speed"))
     config = {"per_device_train_batch_size": row["micro_batch"], "gradient_accumulation_steps": row["grad_accum"],
               "steps_per_generation": row["steps_per_generation"], "num_generations": args.num_generations,
-              "max_completion_length": args.completion_len, "gradient_checkpointing": args.grad_ckpt == "on"}
+              "max_completion_length": args.completion_len, "gradient_checkpointing": args.grad_ckpt == "on",
+              "temperature": overrides.get("temperature", 1.0), "top_p": overrides.get("top_p", 1.0)}  # GRPOConfig's
     report = preflight(model_config(args.policy), grpo_config=config, world_size=args.nproc,
                        reward_models=[RewardModelSpec(config=model_config(REWARD_MODEL[args.policy], num_labels=1))],
                        prompt_length=PROMPT_WORDS + 1, overhead_gb=0.0, fragmentation=0.0, raise_on_error=False,

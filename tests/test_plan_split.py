@@ -123,7 +123,7 @@ def test_headline_scenario_cheapest_fit_is_a_pipeline_at_a_quarter_of_fsdp2(caps
     assert best.seconds <= 430
     fsdp = next(e for e in result.fitting if e.layout.sharding == "fsdp2")
     assert fsdp.label() == "fsdp2 nf4+dq ckpt" and fsdp.seconds > 4 * best.seconds
-    assert [round(r.required / 2**30, 1) for r in best.report.ranks] == [16.3, 14.3, 14.3, 16.4]
+    assert [round(r.required / 2**30, 1) for r in best.report.ranks] == [16.3, 14.3, 14.3, 16.5]
     # every layout named in the plan runs from files in the repository
     for e in result.entries:
         assert (ROOT / e.launch["script"]).is_file() and (ROOT / e.launch["config"]).is_file(), e.label()

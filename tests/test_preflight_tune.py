@@ -168,3 +168,43 @@ def test_the_report_s_activation_line_is_the_run_s_layers():
             report = grid_report(128, {"gradient_checkpointing": ckpt}, **kw)
             line = report.activations_checkpointed if ckpt else report.activations_full
             assert line == report.ranks[0].components["activations"], (kw, ckpt)
+
+
+def test_the_generation_phase_counts_the_sampler_and_predicts_the_h200_rows():
+    """transformers' warpers keep more of the last token's logits than the kit's compiled sampler: per logit of
+    the generation batch, 2 (the model's bf16 logits) + 4 (their fp32 copy) + 8 (probabilities, multinomial's
+    noise); + 4 for temperature's copy; top-p sorts every row: 24 (values, indices, the sort's scratch) in
+    place of the 8. Against the sampling phase's peak measured on the H200 (benchmarks/results/
+    2026-12-04-h200-top-p/, micro-batch 128): stock with the pinned sampler at generation batch 512 took
+    11.70 GiB (three fp32 copies predicted 9.97, 15% short), stock plain at 1024 17.49; the kit pinned 18.42."""
+    plain, pinned = {"temperature": 1.0, "top_p": 1.0}, {"temperature": 0.7, "top_p": 0.9}
+    stock = {"fast_generation": False, "lean_lora": False}
+
+    def generation(micro, rounds, settings, **kw):
+        config = {**settings, "steps_per_generation": rounds}
+        report = preflight("qwen2-1.5b", grpo_config={**GRID, "per_device_train_batch_size": micro,
+                                                      "gradient_accumulation_steps": 1024 // micro, **config},
+                           gpu_memory_gb=24, raise_on_error=False, warn=False, **{**GRID_KW, **kw})
+        return report.ranks[0]
+
+    vocab = 151936
+    for rows, rounds in ((512, 4), (1024, 8)):
+        a, b = generation(128, rounds, plain, **stock), generation(128, rounds, pinned, **stock)
+        assert b.components["generation_transient"] - a.components["generation_transient"] == rows * vocab * 20
+        t_only = generation(128, rounds, {"temperature": 0.7, "top_p": 1.0}, **stock)
+        assert t_only.components["generation_transient"] - a.components["generation_transient"] == rows * vocab * 4
+        k_only = generation(128, rounds, {"temperature": 1.0, "top_p": 1.0, "top_k": 50}, **stock)
+        assert k_only.components["generation_transient"] == t_only.components["generation_transient"]
+        # the kit's graph loop: the same for every sampler
+        fast = [generation(128, rounds, s).components["generation_transient"] for s in (plain, pinned)]
+        assert fast[0] == fast[1]
+    for settings, rounds, kw, measured in ((pinned, 4, stock, 11.70), (plain, 8, stock, 17.49), (pinned, 8, {}, 18.42)):
+        predicted = generation(128, rounds, settings, **kw).phases["generation"] / GiB
+        assert predicted == pytest.approx(measured, rel=0.08), (settings, rounds, kw, predicted)
+    assert generation(128, 4, pinned, **stock).phases["generation"] / GiB == pytest.approx(11.70, rel=0.02)
+
+
+def test_a_sampler_setting_out_of_range_is_refused_naming_it():
+    for name, value in (("temperature", 0), ("temperature", "hot"), ("top_p", 1.5), ("top_p", -0.1), ("top_k", -1)):
+        with pytest.raises(ValueError, match=f"{name}="):
+            preflight("qwen2-1.5b", grpo_config={**GRID, name: value}, gpu_memory_gb=24, warn=False)

@@ -37,8 +37,10 @@ per_device_train_batch_size, S = steps_per_generation, P / C = prompt / completi
 - ``kv_cache``: 2 * L * kv_heads * head_dim * (P + C) * N_gen * act, plus one layer's worth for the
   ``torch.cat`` growth of the dynamic cache.
 - ``generation_transient``: the prefill's widest layer temporaries, N_gen * P * (q + 2 kv + 2 hidden
-  + 3 intermediate) * act, and the last-token logits N_gen * V * 4 * 3 (fp32 scores, processed
-  scores, probabilities).
+  + 3 intermediate) * act, and the last-token logits while a token is sampled (``estimate.sampling_bytes``):
+  with transformers' warpers N_gen * V * (act + 12), + 4 with temperature or top-k, + 16 more with top-p
+  (a sort of every row); with the kit's graph loop N_gen * V * 4 * 3 whatever the sampler. The sampler is
+  the config's ``temperature`` / ``top_k`` / ``top_p`` (missing ones: the pinned 0.7 / 0 / 0.9).
 - ``decode_graph``: with ``fast_generation``'s fused loop, its captured CUDA graph's private pool (one
   decode step's logits and MLP temporaries, N_gen * (V + 2 * intermediate) * act), kept in every phase
   (``keep_graph``, or no ``release_after_sampling``).

@@ -84,6 +84,25 @@ def prefill_transient(arch: Arch, tokens: int, act: int) -> int:
     return tokens * (arch.q + 2 * arch.kv + 2 * arch.hidden + 3 * arch.intermediate) * act
 
 
+def sampling_bytes(arch: Arch, rows: int, act: int, sampler: tuple[float, int, float], fused: bool) -> int:
+    """The last-token logits' temporaries while a token is sampled for ``rows`` sequences.
+
+    transformers' loop (stock, and fast generation's ``decode_loop="transformers"``) keeps the model's
+    logits (act) and their fp32 copy while its warpers run: temperature and top-k each return a new fp32
+    tensor, and top-p sorts every row, its fp32 values and int64 indices beside the sort's own scratch of the
+    same 12 bytes an element (the 1.74 GiB allocation a 1024 x 151,936 sort ran out of memory on); without
+    top-p, the probabilities and ``multinomial``'s noise. The kit's graph loop (``fused``) keeps its fp32 scores, the
+    weights and order keys of its top-p search and the sample's noise, within three fp32 copies (measured:
+    18.4 GiB at 1024 rows against 18.9 predicted).
+    """
+    temperature, top_k, top_p = sampler
+    if fused:
+        return rows * arch.vocab * 4 * 3
+    per = act + 4 + (4 if temperature != 1.0 or top_k > 0 else 0)
+    per += 24 if top_p < 1.0 else 8
+    return rows * arch.vocab * per
+
+
 def logits_bytes(arch: Arch, batch: int, completion: int, act: int, mode: str) -> int:
     if mode == "fused":
         n = batch * completion
@@ -123,6 +142,7 @@ class FastGenerationMemory:
     merged_bytes: int  # the merged buffer (0 without merge_lora)
     released: bool  # release_after_sampling: both exist only while sampling
     graph_kept: bool = False  # the fused loop's CUDA graph stays allocated between rounds
+    kit_sampler: bool = True  # the graph loop samples in its compiled step (generation/sampler.py)
 
     @classmethod
     def of(cls, option: Any, *, prompt: int, completion: int, params: ParamCount, weight_bytes: int,
@@ -135,7 +155,8 @@ class FastGenerationMemory:
         merged = params.adapted * weight_bytes if config.merge_lora and not quantized else 0
         graph = config.decode_loop == "graph" and config.fused_decode and config.compile
         return cls(length, merged, config.release_after_sampling,
-                   graph and (config.keep_graph or not config.release_after_sampling))
+                   graph and (config.keep_graph or not config.release_after_sampling),
+                   config.decode_loop == "graph")
 
 
 def estimate_ranks(
@@ -162,6 +183,7 @@ def estimate_ranks(
     layout: Layout = _DDP,
     lean_input: int = 0,
     compiled: bool = False,
+    sampler: tuple[float, int, float] = (1.0, 0, 1.0),
 ) -> list[RankEstimate]:
     tokens = batch * (prompt + completion)
     n_gen = batch * steps
@@ -203,7 +225,8 @@ def estimate_ranks(
         "kv_cache": (kv_layer * arch.layers + kv_layer if fast is None
                      else 2 * arch.kv * fast.cache_length * n_gen * act * arch.layers),
         "merged_buffer": fast.merged_bytes if fast is not None else 0,
-        "generation_transient": prefill_transient(arch, n_gen * prompt, act) + n_gen * arch.vocab * 4 * 3,
+        "generation_transient": prefill_transient(arch, n_gen * prompt, act)
+        + sampling_bytes(arch, n_gen, act, sampler, fused=fast is not None and fast.kit_sampler),
         "decode_graph": n_gen * (arch.vocab + 2 * arch.intermediate) * act if fast is not None and fast.graph_kept else 0,
     }
     gen_gathered = layout.gathered(params, w_bytes, w, arch.hidden, "generation", checkpointing)
@@ -263,5 +286,6 @@ def estimate_inputs(s: RunSettings, arch: Arch, params: ParamCount, layout: Layo
                                                 params=params, weight_bytes=s.w_bytes,
                                                 quantized=layout.quantization is not None)
                         if fast_generation and layout.sharding == "ddp" else None),
-                  layout=layout, lean_input=lean_width if lean_lora else 0, compiled=compile_training)
+                  layout=layout, lean_input=lean_width if lean_lora else 0, compiled=compile_training,
+                  sampler=s.sampler)
     return common, lean_width

@@ -44,7 +44,7 @@ from typing import Any
 
 from grpo_patches.preflight.advise import check_shapes
 from grpo_patches.preflight.count import Arch, ParamCount, architecture, count_parameters, count_reward_models
-from grpo_patches.preflight.estimate import activation_bytes, estimate_inputs, estimate_ranks
+from grpo_patches.preflight.estimate import activation_bytes, estimate_inputs, estimate_ranks, sampling_bytes
 from grpo_patches.preflight.layout import Layout, RoundCost
 from grpo_patches.preflight.report import GiB, PreflightReport, RankEstimate
 from grpo_patches.preflight.settings import (
@@ -182,7 +182,7 @@ def estimate_split(model_config: Any, layout: SplitLayout, *, grpo_config: Any =
         comp, phases = dict(r.components), dict(r.phases)
         if not head_here:  # no log-prob tiles, no sampling logits
             phases["training"] -= comp["logits_logps"]
-            sampling = n_gen * arch.vocab * 4 * 3
+            sampling = sampling_bytes(arch, n_gen, s.act, s.sampler, fused=False)
             phases["generation"] -= sampling
             comp["generation_transient"] -= sampling
             comp["logits_logps"] = 0

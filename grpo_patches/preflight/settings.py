@@ -121,7 +121,7 @@ _READ_SETTINGS = frozenset({
     "per_device_train_batch_size", "gradient_accumulation_steps", "steps_per_generation", "generation_batch_size",
     "num_generations", "num_generations_eval", "max_completion_length", "max_prompt_length",
     "gradient_checkpointing", "bf16", "fp16", "model_init_kwargs", "optim", "eval_strategy",
-    "per_device_eval_batch_size", "use_vllm", "ds3_gather_for_generation", "beta",
+    "per_device_eval_batch_size", "use_vllm", "ds3_gather_for_generation", "beta", "temperature", "top_k", "top_p",
 })
 
 
@@ -292,6 +292,7 @@ class RunSettings:
     eval_shape: tuple[int, int] | None  # (per_device_eval_batch_size, num_generations_eval) when evaluating
     gather_for_generation: bool  # ds3_gather_for_generation
     use_vllm: bool
+    sampler: tuple[float, int, float] = (1.0, 0, 1.0)  # temperature, top_k, top_p
 
     @property
     def w_bytes(self) -> int:
@@ -372,6 +373,11 @@ def resolve_settings(
     mode = detect_logits_mode() if logits_mode == "auto" else logits_mode
     lora = default_lora() if lora_config is None else lora_config
     dropout = float(getattr(lora, "lora_dropout", 0.0) or 0.0) > 0
+    temperature = as_number("temperature", setting(g, "temperature", art["temperature"]), minimum=0, inclusive=False)
+    top_p = as_number("top_p", setting(g, "top_p", art["top_p"]), minimum=0)  # transformers' range: [0, 1]
+    if top_p > 1:
+        raise _bad("top_p", top_p, "a number in [0, 1], e.g. 0.9 (1.0: no top-p)")
+    top_k = whole("top_k", 0, 0) or 0
     eval_shape = None
     if as_choice("eval_strategy", setting(g, "eval_strategy", "no"), ("no", "steps", "epoch")) != "no":
         eval_shape = (whole("per_device_eval_batch_size", 8), whole("num_generations_eval", num_gen))
@@ -380,4 +386,5 @@ def resolve_settings(
         completion=completion, checkpointing=checkpointing, compute_dtype=compute_dtype, dtype=dtype, optim=optim,
         logits_mode=mode, reward_placement=reward_placement, lora=lora, dropout=dropout, eval_shape=eval_shape,
         gather_for_generation=flag("ds3_gather_for_generation", True), use_vllm=flag("use_vllm", False),
+        sampler=(float(temperature), int(top_k), float(top_p)),
     )
