@@ -208,3 +208,20 @@ def test_a_sampler_setting_out_of_range_is_refused_naming_it():
     for name, value in (("temperature", 0), ("temperature", "hot"), ("top_p", 1.5), ("top_p", -0.1), ("top_k", -1)):
         with pytest.raises(ValueError, match=f"{name}="):
             preflight("qwen2-1.5b", grpo_config={**GRID, name: value}, gpu_memory_gb=24, warn=False)
+
+
+def test_a_grpo_config_without_top_p_samples_without_it():
+    """TRL < 0.19's GRPOConfig has no top_p (it samples without); a dict leaving it out gets the pinned 0.9."""
+    import dataclasses
+
+    from grpo_patches.preflight.settings import resolve_settings
+
+    @dataclasses.dataclass
+    class OldConfig:  # GRPOConfig's shape before top_p
+        per_device_train_batch_size: int = 8
+        temperature: float = 0.9
+
+    kw = dict(lora_config=None, world_size=1, gpu_memory_gb=24, reward_placement="local", prompt_length=32,
+              dtype=None, logits_mode="full")
+    assert resolve_settings(OldConfig(), **kw).sampler == (0.9, 0, 1.0)
+    assert resolve_settings({"per_device_train_batch_size": 8}, **kw).sampler == (0.7, 0, 0.9)

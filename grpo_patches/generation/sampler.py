@@ -58,13 +58,13 @@ def nucleus(scores: torch.Tensor, keys: torch.Tensor, bits: int, top_p: float, w
 
     A token is kept iff the probability mass of the tokens scoring strictly higher is below ``top_p`` (so the
     most likely one always): every token whose key is at or above one threshold. A search over the key range
-    finds it, each pass cutting the candidate interval into ``ways`` parts and summing the mass above each cut
-    (one reduction per cut over the same rows), on fixed shapes. On an H200 at a 152k vocabulary the sort it
-    replaces cost 14.5 ms per decode step at 1024 rows (the rest of the step ~10 ms) and its cumulative sum
-    failed inductor's code generation at 8 rows; this search at 4 cuts a pass costs 3.1 ms and 0.6 ms (2 and 16
-    cuts were slower). Differences from the sort: tokens tied
-    with the threshold are kept together (the sort keeps an arbitrary part of such a tie), and a boundary mass
-    within fp32 rounding of ``top_p`` may fall the other way.
+    finds it on fixed shapes: each pass cuts the candidate interval into ``ways`` parts and, per cut, sums the
+    mass on its smaller side (one reduction over the rows per cut). On an H200 at a 152k vocabulary the sort it
+    replaces cost 14.5 ms per decode step at 1024 rows (the rest of the step ~11 ms), and its cumulative sum
+    failed inductor's code generation at 8 rows; this search, at 4 cuts a pass, costs 3.1 and 0.6 ms (2 and 16
+    cuts were slower). Differences from the sort: tokens tied with the threshold are kept together (the sort
+    keeps an arbitrary part of such a tie), and a boundary mass within fp32 rounding of ``top_p`` may fall the
+    other way.
     """
     weights = torch.exp(scores - scores.amax(-1, keepdim=True))  # unnormalized softmax; -inf scores weigh 0
     total = weights.sum(-1)

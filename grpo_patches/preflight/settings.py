@@ -374,7 +374,9 @@ def resolve_settings(
     lora = default_lora() if lora_config is None else lora_config
     dropout = float(getattr(lora, "lora_dropout", 0.0) or 0.0) > 0
     temperature = as_number("temperature", setting(g, "temperature", art["temperature"]), minimum=0, inclusive=False)
-    top_p = as_number("top_p", setting(g, "top_p", art["top_p"]), minimum=0)  # transformers' range: [0, 1]
+    # a GRPOConfig without the field (TRL < 0.19) samples without top-p; elsewhere a missing one is the pinned
+    no_top_p = dataclasses.is_dataclass(g) and not hasattr(g, "top_p")
+    top_p = as_number("top_p", 1.0 if no_top_p else setting(g, "top_p", art["top_p"]), minimum=0)  # [0, 1]
     if top_p > 1:
         raise _bad("top_p", top_p, "a number in [0, 1], e.g. 0.9 (1.0: no top-p)")
     top_k = whole("top_k", 0, 0) or 0
