@@ -159,3 +159,21 @@ def qwen2_lora_policy(seed=0):
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.5)
     return peft
+
+
+def transformers_warped(logits, temperature, top_k, top_p):
+    """The scores after transformers' own warpers (Temperature -> TopK -> TopP), as generate builds them."""
+    from transformers.generation.logits_process import (
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    scores = logits.float()
+    if temperature != 1.0:
+        scores = TemperatureLogitsWarper(temperature)(None, scores)
+    if top_k:
+        scores = TopKLogitsWarper(top_k)(None, scores)
+    if top_p < 1.0:
+        scores = TopPLogitsWarper(top_p)(None, scores)
+    return scores

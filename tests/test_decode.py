@@ -24,6 +24,7 @@ from tests.fastgen_helpers import (  # noqa: F401  (_fresh: autouse)
     greedy,
     lora_policy,
     make_trainer,
+    transformers_warped,
 )
 
 
@@ -67,20 +68,7 @@ def test_graph_loop_no_recompilation_across_prompt_lengths_in_a_bucket():
 
 def _warped_probs(logits, temperature, top_k, top_p):
     """transformers' own warpers (Temperature -> TopK -> TopP), as generate builds them."""
-    from transformers.generation.logits_process import (
-        TemperatureLogitsWarper,
-        TopKLogitsWarper,
-        TopPLogitsWarper,
-    )
-
-    scores = logits.float()
-    if temperature != 1.0:
-        scores = TemperatureLogitsWarper(temperature)(None, scores)
-    if top_k:
-        scores = TopKLogitsWarper(top_k)(None, scores)
-    if top_p < 1.0:
-        scores = TopPLogitsWarper(top_p)(None, scores)
-    return scores.softmax(-1)
+    return transformers_warped(logits, temperature, top_k, top_p).softmax(-1)
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(0.6, 6, 1.0), (1.4, 0, 0.7), (0.8, 10, 0.85)])

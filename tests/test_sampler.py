@@ -10,7 +10,7 @@ import torch
 from grpo_patches import generation
 from grpo_patches.generation import FastGenerationConfig, fast_generate
 from grpo_patches.generation.sampler import Sampler, nucleus, order_keys, warp
-from tests.fastgen_helpers import batch, gpu
+from tests.fastgen_helpers import batch, gpu, transformers_warped
 
 
 def _sampler(temperature=1.0, top_k=0, top_p=1.0):
@@ -19,20 +19,7 @@ def _sampler(temperature=1.0, top_k=0, top_p=1.0):
 
 def _transformers_kept(logits, temperature, top_k, top_p):
     """The tokens transformers' warpers (Temperature -> TopK -> TopP, as generate builds them) keep."""
-    from transformers.generation.logits_process import (
-        TemperatureLogitsWarper,
-        TopKLogitsWarper,
-        TopPLogitsWarper,
-    )
-
-    scores = logits.float()
-    if temperature != 1.0:
-        scores = TemperatureLogitsWarper(temperature)(None, scores)
-    if top_k:
-        scores = TopKLogitsWarper(top_k)(None, scores)
-    if top_p < 1.0:
-        scores = TopPLogitsWarper(top_p)(None, scores)
-    return scores > -float("inf")
+    return transformers_warped(logits, temperature, top_k, top_p) > -float("inf")
 
 
 def _mass_above(scores):
