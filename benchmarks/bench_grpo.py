@@ -611,6 +611,10 @@ def run_variant(args, variant: str, round_idx: int, ctx: dict[str, Any]) -> dict
         torch.cuda.reset_peak_memory_stats()
         torch.cuda.reset_accumulated_memory_stats()
     options, config_overrides = VARIANTS[variant]
+    if os.environ.get("BENCH_GRAPH_STEPS"):  # decode steps per captured graph of the fused loop (experiment)
+        from grpo_patches.generation import fused_loop
+
+        fused_loop.GRAPH_STEPS = int(os.environ["BENCH_GRAPH_STEPS"])
     placement = options and options["reward_placement"]
     if options is None:
         grpo_patches.revert()

@@ -63,14 +63,18 @@ def training(args, device: torch.device) -> dict:
     cfg.num_hidden_layers = args.layers
     torch.manual_seed(0)
     base = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16 if cuda else torch.float32).to(device)
-    model = get_peft_model(base, lora_config(lora_dropout=args.lora_dropout))
+    if args.no_lora:  # the frozen base alone: the floor of any LoRA implementation's layer
+        model = base.requires_grad_(False)
+    else:
+        model = get_peft_model(base, lora_config(lora_dropout=args.lora_dropout))
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.enable_input_require_grads()
     model.train()
-    enable_lean_lora(model)
+    if not args.no_lora:
+        enable_lean_lora(model)
     ids = torch.randint(4, cfg.vocab_size, (args.micro_batch, args.seq), device=device)
     mask = torch.ones_like(ids)
-    inner = model.get_base_model().model  # the decoder stack: no LM head, so the time is the layers'
+    inner = (model if args.no_lora else model.get_base_model()).model  # the decoder stack: no LM head
     out: dict = {}
     modes = [("eager", None), *MODES.items()]
     if args.modes:
@@ -171,6 +175,7 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=288, help="tokens per row (32-token prompt + 256 completion)")
     p.add_argument("--rows", default="1024,192,8", help="sampling: comma list of rows of logits (generation batches)")
     p.add_argument("--lora-dropout", type=float, default=0.05, help="training: the LoRA dropout (0: none)")
+    p.add_argument("--no-lora", action="store_true", help="training: the frozen base layers alone, no adapter")
     p.add_argument("--modes", default="", help="training: a comma list of eager,inductor,fallback_random")
     p.add_argument("--no-sampling", action="store_true")
     p.add_argument("--no-training", action="store_true")

@@ -67,6 +67,7 @@ def _make_token_step(s: Sampler, shape: DecoderShape, kernel: bool = False) -> C
 
 
 _STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {key: compiled token step}
+GRAPH_STEPS: int | None = None  # decode steps per captured graph (None: check_every), replayed check_every / n times
 _FAILED = ("capture failed",)  # key in the pool's graphs: a capture over these caches failed
 
 
@@ -134,7 +135,8 @@ def fused_decode(model: Any, decoder: FusedDecoder, cache: Any, first: torch.Ten
     stats.attention = "kernel" if kernel else "matmul"
     step = _token_step(model, s, decoder.shape, config, kernel)
     use_graph = graphs is not None and _graphs_on(device) and n_steps > 0 and _FAILED not in graphs
-    entry_key = (batch, keys[0].shape[2], width, s, decoder.shape, kernel)
+    per_graph = GRAPH_STEPS if GRAPH_STEPS and chunk % GRAPH_STEPS == 0 else chunk
+    entry_key = (batch, keys[0].shape[2], width, s, decoder.shape, kernel, per_graph)
     entry = graphs.get(entry_key) if use_graph else None
     if entry is None:
         state = (torch.empty(batch, 1, dtype=torch.long, device=device),
@@ -164,7 +166,8 @@ def fused_decode(model: Any, decoder: FusedDecoder, cache: Any, first: torch.Ten
         if entry.graph is None or entry.addresses != addresses:
             started = time.perf_counter()
             try:
-                entry.graph, entry.pool_bytes = _capture(step, args, chunk, entry.pool_bytes or stats.graph_pool_bytes)
+                entry.graph, entry.pool_bytes = _capture(step, args, per_graph,
+                                                         entry.pool_bytes or stats.graph_pool_bytes)
                 entry.addresses, stats.graph_pool_bytes = addresses, entry.pool_bytes
                 done = 1
                 stats.captures += 1
@@ -179,7 +182,8 @@ def fused_decode(model: Any, decoder: FusedDecoder, cache: Any, first: torch.Ten
             finally:
                 stats.capture_seconds += time.perf_counter() - started
         while done < n_steps:
-            entry.graph.replay()
+            for _ in range(chunk // per_graph):
+                entry.graph.replay()
             stats.replays += 1
             done += chunk
             if done < n_steps and not bool(unfinished.any()):

@@ -1,0 +1,116 @@
+"""Where a traced call leaves the GPU idle, and what the host was doing then.
+
+Reads a Chrome trace written by ``torch.profiler`` (``bench_grpo.py``'s ``BENCH_TRACE``, gzipped or not) and
+prints: the traced region's wall time, the device's busy time (the union of its kernels, copies and sets
+over every stream) and idle time, and the largest idle gaps, each with the host events (``cpu_op``,
+``python_function``, ``user_annotation``) that span its middle, innermost last. Then the host events that
+cover the most idle time in all (an event's share: its overlap with the idle gaps, nested events counted
+in each of their ancestors).
+
+    python benchmarks/trace_gaps.py trace-_generate-patched-speed_0-rank0.json.gz --top 25 --out gaps.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import gzip
+import json
+from collections import defaultdict
+from pathlib import Path
+
+DEVICE_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
+HOST_CATS = {"cpu_op", "python_function", "user_annotation"}
+
+
+def load(path: Path) -> list[dict]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        data = json.load(f)
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    return [e for e in events if e.get("ph") == "X" and "dur" in e]
+
+
+def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(a, b) for a, b in merged]
+
+
+def region(events: list[dict], name: str | None) -> tuple[float, float]:
+    """The traced call: the ``bench/<name>`` annotation (the longest ``bench/`` one), else all host events."""
+    marks = [e for e in events if str(e.get("name", "")).startswith("bench/") and (name is None or e["name"] == name)]
+    if marks:
+        e = max(marks, key=lambda e: e["dur"])
+        return e["ts"], e["ts"] + e["dur"]
+    host = [e for e in events if e.get("cat") in HOST_CATS]
+    return min(e["ts"] for e in host), max(e["ts"] + e["dur"] for e in host)
+
+
+def summarize(events: list[dict], top: int = 25, min_gap_us: float = 200.0, name: str | None = None) -> dict:
+    t0, t1 = region(events, name)
+    device = union([(max(e["ts"], t0), min(e["ts"] + e["dur"], t1)) for e in events
+                    if e.get("cat") in DEVICE_CATS and e["ts"] < t1 and e["ts"] + e["dur"] > t0])
+    busy = sum(b - a for a, b in device)
+    gaps, cursor = [], t0
+    for a, b in device:
+        if a > cursor:
+            gaps.append((cursor, a))
+        cursor = max(cursor, b)
+    if cursor < t1:
+        gaps.append((cursor, t1))
+    host = sorted((e for e in events if e.get("cat") in HOST_CATS and e["ts"] < t1 and e["ts"] + e["dur"] > t0),
+                  key=lambda e: (e["ts"], -e["dur"]))
+    starts = [e["ts"] for e in host]
+
+    def spanning(t: float) -> list[str]:
+        hits = [e for e in host[:bisect.bisect_right(starts, t)] if e["ts"] + e["dur"] >= t]
+        hits.sort(key=lambda e: -e["dur"])  # outermost first
+        return [f"{e['name'][:90]} ({e['dur'] / 1e3:.1f} ms)" for e in hits if not e["name"].startswith("bench/")]
+
+    big = sorted((g for g in gaps if g[1] - g[0] >= min_gap_us), key=lambda g: g[0] - g[1])[:top]
+    cover: dict[str, float] = defaultdict(float)
+    idle = [g for g in gaps if g[1] - g[0] >= min_gap_us]
+    for e in host:
+        a, b = e["ts"], e["ts"] + e["dur"]
+        lo = bisect.bisect_left([g[1] for g in idle], a)
+        for ga, gb in idle[lo:]:
+            if ga >= b:
+                break
+            cover[e["name"][:120]] += max(0.0, min(b, gb) - max(a, ga))
+    return {
+        "wall_ms": (t1 - t0) / 1e3, "device_busy_ms": busy / 1e3, "device_idle_ms": (t1 - t0 - busy) / 1e3,
+        "idle_gaps_over_min": len(idle), "idle_in_gaps_over_min_ms": sum(b - a for a, b in idle) / 1e3,
+        "largest_gaps": [{"at_ms": (a - t0) / 1e3, "ms": (b - a) / 1e3, "host": spanning((a + b) / 2)[-6:]}
+                         for a, b in big],
+        "host_events_over_idle_ms": sorted(((k, v / 1e3) for k, v in cover.items()), key=lambda kv: -kv[1])[:top],
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("trace", type=Path)
+    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--min-gap-us", type=float, default=200.0, help="idle gaps shorter than this are not listed")
+    p.add_argument("--region", default=None, help="the annotation to analyse (default: the longest bench/...)")
+    p.add_argument("--out", type=Path)
+    args = p.parse_args()
+    result = summarize(load(args.trace), args.top, args.min_gap_us, args.region)
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1))
+    print(f"{args.trace.name}: wall {result['wall_ms']:.1f} ms, device busy {result['device_busy_ms']:.1f} ms, "
+          f"idle {result['device_idle_ms']:.1f} ms ({result['idle_gaps_over_min']} gaps >= {args.min_gap_us:.0f} us: "
+          f"{result['idle_in_gaps_over_min_ms']:.1f} ms)")
+    for g in result["largest_gaps"]:
+        print(f"  gap at {g['at_ms']:9.1f} ms: {g['ms']:7.2f} ms  <- " + " > ".join(g["host"][-3:]))
+    print("host events over the idle gaps:")
+    for name, ms in result["host_events_over_idle_ms"]:
+        print(f"  {ms:8.1f} ms  {name}")
+
+
+if __name__ == "__main__":
+    main()
