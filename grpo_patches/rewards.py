@@ -33,6 +33,7 @@ from .collectives import FailFastGroup, Failure, call_with_timeout, failure_from
 __all__ = [
     "PLACEMENTS",
     "REWARD_FAILURES",
+    "REWARD_MODEL_ROWS",
     "SoftFailures",
     "RewardBatch",
     "RewardResult",
@@ -40,11 +41,16 @@ __all__ = [
     "compute_rewards",
     "reward_column",
     "chunk_slices",
+    "model_chunk",
     "score_in_chunks",
     "validate_chunk_size",
 ]
 
 PLACEMENTS = ("local", "main")
+#: Most completions a reward model scores per forward (whole groups; ``reward_chunk_size`` may cut smaller):
+#: the host tokenizes the next chunk while the device runs this one, and the forward's activations stay
+#: bounded however large the generation batch. Stock TRL scores a rank's whole batch in one forward.
+REWARD_MODEL_ROWS = 128
 REWARD_FAILURES = ("raise", "no_reward", "drop_group")  # what a failed or timed-out reward call does
 
 
@@ -206,6 +212,15 @@ def reward_column(values: Iterable[Any], expected: int, func_name: str) -> list[
 
 def _group_ids(n: int, num_generations: int, first: int = 0) -> list[int]:
     return [first + i // num_generations for i in range(n)]
+
+
+def model_chunk(chunk_size: int | None, num_generations: int) -> int | None:
+    """Completions per reward-model forward: ``chunk_size`` capped at :data:`REWARD_MODEL_ROWS`, whole groups
+    (at least one); ``None`` (one forward for the batch) where the cap is off (0 or None)."""
+    if not REWARD_MODEL_ROWS:
+        return chunk_size
+    cap = max(num_generations, REWARD_MODEL_ROWS // num_generations * num_generations)
+    return min(chunk_size, cap) if chunk_size else cap
 
 
 def chunk_slices(n: int, num_generations: int, chunk_size: int | None) -> list[slice]:

@@ -198,3 +198,39 @@ def test_a_reward_model_nan_is_still_caught_when_its_scores_are_read(policy, cap
     assert torch.isnan(scored.rewards[:, 0]).all() and scored.rewards[:, 1].tolist() == [1.0] * 4
     assert scored.failed_calls == 2
     assert "reward function 'rm' failed on rank 0 for completions 2..3" in capsys.readouterr().err
+
+
+class _RowLoggingRewardModel(_LoggingRewardModel):
+    def forward(self, input_ids, attention_mask, **kwargs):
+        self.events.append(f"model forward of {len(input_ids)}")
+        return types.SimpleNamespace(logits=attention_mask.sum(-1, keepdim=True).float().as_subclass(_Scores))
+
+
+def test_upstream_scores_a_reward_models_whole_batch_in_one_forward():
+    from trl import GRPOTrainer
+
+    events, trainer = _reward_setup()
+    trainer.reward_funcs[0] = _RowLoggingRewardModel(events)
+    GRPOTrainer._calculate_rewards(trainer, [{"prompt": "alpha"}] * 8, ["alpha"] * 8, [" beta"] * 8, [[1]] * 8)
+    assert events[:2] == ["model forward of 8", "rule"]
+
+
+@pytest.mark.parametrize("chunk_size", [None, 2])
+def test_the_kit_scores_a_reward_model_in_forwards_of_at_most_reward_model_rows(monkeypatch, chunk_size):
+    """Without ``reward_chunk_size`` a model still scores at most ``REWARD_MODEL_ROWS`` completions (whole
+    groups) per forward, every forward launched before the functions run; a smaller chunk size wins.
+    The functions keep one call per ``reward_chunk_size`` chunk (one call without it), as before."""
+    from grpo_patches import rewards
+
+    monkeypatch.setattr(rewards, "REWARD_MODEL_ROWS", 5)  # 2 groups of 2 fit, not 3
+    events, trainer = _reward_setup()
+    trainer.reward_funcs[0] = _RowLoggingRewardModel(events)
+    completions = [" beta", " beta gamma", " gamma", " beta beta beta", " b", " b b", " c", " c c"]
+    texts = RewardBatch(["alpha"] * 8, completions, [[1]] * 8, {})
+    scored = score_batch(trainer, texts, [0, 0, 1, 1, 2, 2, 3, 3], num_generations=2, with_environments=False,
+                         chunk_size=chunk_size)
+    assert scored.rewards[:, 0].tolist() == [2.0, 3.0, 2.0, 4.0, 2.0, 3.0, 2.0, 3.0]
+    first_read = events.index("model scores read")
+    forwards = ["model forward of 4"] * 2 if chunk_size is None else ["model forward of 2"] * 4
+    rules = ["rule"] * (1 if chunk_size is None else 4)
+    assert events[:first_read] == forwards + rules

@@ -30,6 +30,7 @@ from ..rewards import (
     SoftFailures,
     chunk_slices,
     compute_rewards,
+    model_chunk,
     reward_column,
     validate_chunk_size,
 )
@@ -280,6 +281,7 @@ def score_batch(trainer: Any, batch: RewardBatch, group_ids: list[int], *, num_g
     profile = profile or (lambda name: contextlib.nullcontext())
     n = len(batch)
     slices = chunk_slices(n, num_generations, chunk_size)
+    model_slices = chunk_slices(n, num_generations, model_chunk(chunk_size, num_generations))
     rewards = torch.zeros(n, len(funcs))
     soft = SoftFailures(on_failure, rank)
     extras: dict[str, list[Any]] = {}
@@ -320,7 +322,7 @@ def score_batch(trainer: Any, batch: RewardBatch, group_ids: list[int], *, num_g
         """Run the model on every chunk, not waiting for the device; the returned function reads
         the scores back (the wait) and checks them."""
         launched: list[tuple[slice, torch.Tensor | None]] = []
-        for r in slices:
+        for r in model_slices:
             try:
                 launched.append((r, _score_with_model(trainer, Trainer, model, processing_class,
                                                       batch.slice(r.start, r.stop))))
