@@ -12,7 +12,7 @@ sizes: with ``K4 = ceil(K / 4)``, element ``(t, k)`` of the ``[T, K]`` input tak
 ``randint4x(seed, t * K4 + k % K4)`` (one Philox call gives the bits of four elements, ``K4`` columns
 apart) and is kept iff that uint32 is ``>= round(p * 2**32)``: kept with probability
 ``1 - round(p * 2**32) / 2**32``, within ``2**-33`` of ``1 - p``. :func:`keep_mask` computes the same
-mask on the CPU (numpy), for tests.
+mask in plain torch, for tests.
 
 It is a torch custom op (``<top package>::dropout_lora_a``, its backward another), registered at its
 first use, so a compiled layer calls it as one opaque op. Triton is optional: this module imports
@@ -27,7 +27,7 @@ import os
 
 import torch
 
-__all__ = ["available", "dropout_lora_a", "keep_mask", "threshold", "use_kernel"]
+__all__ = ["available", "dropout_lora_a", "keep_mask", "prepare", "threshold", "use_kernel"]
 
 _NAMESPACE = __name__.split(".")[0]  # the custom ops' namespace: this package's
 _HAS_CUSTOM_OP = hasattr(torch, "library") and hasattr(torch.library, "custom_op")
@@ -67,6 +67,14 @@ def use_kernel(device: torch.device) -> bool:
     return ok and _INTERPRETED and device.type == "cpu"
 
 
+def prepare() -> bool:
+    """Probe Triton and register the op (once) where it runs, before any compiled code calls
+    :func:`use_kernel` or :func:`dropout_lora_a` (both then read only globals). Whether the op is available."""
+    if available():
+        _op()
+    return bool(_AVAILABLE)
+
+
 def threshold(p: float) -> int:
     """The uint32 below which an element is dropped: ``round(p * 2**32)``."""
     if not 0.0 <= p < 1.0:
@@ -83,38 +91,46 @@ def tiles(k: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
 
 _PHILOX_KEY = (0x9E3779B9, 0xBB67AE85)  # Triton's philox_impl for 32-bit counters
 _PHILOX_ROUND = (0xD2511F53, 0xCD9E8D57)
+_LOW = 0xFFFFFFFF
 
 
-def philox4x32(seed: int, counters):
-    """Triton's ``randint4x(seed, counters)`` (Philox4x32-10; 64-bit counters) on numpy uint64 arrays of
-    values < 2**64: four uint32 arrays (as uint64)."""
-    import numpy as np
+def _mulhilo(a: int, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """High and low 32 bits of ``a * c`` (``a``, ``c`` < 2**32; int64 tensors hold no 64-bit product, so
+    in 16-bit halves of ``c``)."""
+    p1, p0 = a * (c >> 16), a * (c & 0xFFFF)  # < 2**48
+    mid = p1 + (p0 >> 16)
+    return mid >> 16, ((mid & 0xFFFF) << 16) | (p0 & 0xFFFF)
 
-    mask = np.uint64(0xFFFFFFFF)
-    counters = np.asarray(counters, dtype=np.uint64)
-    c0, c1 = counters & mask, counters >> np.uint64(32)
-    c2 = c3 = np.zeros_like(c0)
-    k0, k1 = seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF
-    a, b = np.uint64(_PHILOX_ROUND[0]), np.uint64(_PHILOX_ROUND[1])
+
+def philox4x32(seed: int, counters: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Triton's ``randint4x(seed, counters)`` (Philox4x32-10, 64-bit counter split into its low and high
+    words, the 64-bit seed into the key's) for an int64 tensor of counters >= 0: four int64 tensors of
+    uint32 values."""
+    c0, c1 = counters & _LOW, counters >> 32
+    c2 = c3 = torch.zeros_like(c0)
+    k0, k1 = seed & _LOW, (seed >> 32) & _LOW
     for _ in range(10):
-        prod_b, prod_a = b * c2, a * c0  # < 2**64: exact
-        c0, c2, c1, c3 = ((prod_b >> np.uint64(32)) ^ c1 ^ np.uint64(k0), (prod_a >> np.uint64(32)) ^ c3 ^ np.uint64(k1),
-                          prod_b & mask, prod_a & mask)
-        k0, k1 = (k0 + _PHILOX_KEY[0]) & 0xFFFFFFFF, (k1 + _PHILOX_KEY[1]) & 0xFFFFFFFF
+        hi_b, lo_b = _mulhilo(_PHILOX_ROUND[1], c2)
+        hi_a, lo_a = _mulhilo(_PHILOX_ROUND[0], c0)
+        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
+        k0, k1 = (k0 + _PHILOX_KEY[0]) & _LOW, (k1 + _PHILOX_KEY[1]) & _LOW
     return c0, c1, c2, c3
 
 
-def keep_mask(seed: int | torch.Tensor, rows: int, k: int, p: float) -> torch.Tensor:
-    """The op's keep mask for a ``[rows, k]`` input on the CPU (bool ``[rows, k]``), from the same Philox
-    draws and element mapping as the kernel's."""
-    import numpy as np
-
-    seed = int(seed.reshape(-1)[0]) if isinstance(seed, torch.Tensor) else int(seed)
+def keep_mask(seed: int | torch.Tensor, rows: int, k: int, p: float, *, first_row: int = 0,
+              device: torch.device | str | None = None) -> torch.Tensor:
+    """The op's keep mask (bool ``[rows, k]``) for rows ``first_row ..`` of a ``[T, k]`` input, in plain
+    torch on ``device`` (the seed's by default): the same Philox draws and element mapping as the kernel's,
+    a reference for tests and checks."""
+    if isinstance(seed, torch.Tensor):
+        device = seed.device if device is None else device
+        seed = int(seed.reshape(-1)[0])
     seed &= 2**64 - 1  # the kernel reads the int64 seed as uint64
     k4 = -(-k // 4)
-    counters = np.arange(rows, dtype=np.uint64)[:, None] * np.uint64(k4) + np.arange(k4, dtype=np.uint64)[None, :]
-    lanes = np.concatenate(philox4x32(seed, counters), axis=1)[:, :k]  # column l * k4 + j: lane l of counter j
-    return torch.from_numpy(lanes >= np.uint64(threshold(p)))
+    t = torch.arange(first_row, first_row + rows, dtype=torch.int64, device=device)
+    counters = t[:, None] * k4 + torch.arange(k4, dtype=torch.int64, device=device)[None, :]
+    lanes = torch.cat(philox4x32(seed, counters), dim=1)[:, :k]  # column l * k4 + j: lane l of counter j
+    return lanes >= threshold(p)
 
 
 # ------------------------------------------------------------------------------------------------- kernels
