@@ -191,7 +191,7 @@ SHAPES = [(1, 5, 1), (7, 97, 8), (130, 64, 16), (130, 97, 1), (7, 5, 16), (1, 64
 
 
 @interpreted
-def test_forward_and_gradients_equal_torch_on_the_reference_mask():
+def test_forward_and_gradients_equal_torch_on_the_reference_mask_and_p_zero_is_a_matmul():
     seed = torch.tensor([1234567])
     for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
         for rows, k, rank in SHAPES:
@@ -211,6 +211,10 @@ def test_forward_and_gradients_equal_torch_on_the_reference_mask():
     got3 = run_op(x3, a, grad_u.reshape(10, 13, 8), seed, 0.3)
     assert got3[0].shape == (10, 13, 8) and torch.equal(got3[0].reshape(130, 8), got[0])
     assert torch.equal(got3[1].reshape(130, 97), got[1]) and torch.equal(got3[2], got[2])
+    # p = 0: a plain matmul
+    x, a, grad_u = data(130, 97, 16, torch.float32)
+    u, grad_x, grad_a = run_op(x, a, grad_u, torch.tensor([3]), 0.0)
+    assert rel(u, x @ a.T) <= 1e-6 and rel(grad_x, grad_u @ a) <= 1e-6 and rel(grad_a, grad_u.T @ x) <= 1e-6
 
 
 @interpreted
@@ -246,13 +250,6 @@ def test_threshold_is_inclusive_mask_follows_the_seed_not_the_tiles_and_keeps_on
     x, a, grad_u = data(200, 401, 4, torch.float32)
     u = run_op(x, a, grad_u, torch.tensor([9]), 0.3)[0]
     assert rel(u, reference(x, a, grad_u, None, 0.3, keep=mask)[0]) <= 1e-5
-
-
-@interpreted
-def test_p_zero_is_a_plain_matmul():
-    x, a, grad_u = data(130, 97, 16, torch.float32)
-    u, grad_x, grad_a = run_op(x, a, grad_u, torch.tensor([3]), 0.0)
-    assert rel(u, x @ a.T) <= 1e-6 and rel(grad_x, grad_u @ a) <= 1e-6 and rel(grad_a, grad_u.T @ x) <= 1e-6
 
 
 # ------------------------------------------------------------------------------------ the lean layer, interpreted
@@ -316,7 +313,7 @@ def _ids(shape=(3, 9)):
 
 
 @interpreted
-def test_lean_layer_fast_path_equals_stock_peft_on_the_ops_masks(monkeypatch):
+def test_lean_layer_fast_path_equals_stock_peft_on_the_ops_masks_and_checkpointing_redraws_them(monkeypatch):
     from tests.helpers import PROJ
 
     stock, lean = _models(0.5)
@@ -337,15 +334,8 @@ def test_lean_layer_fast_path_equals_stock_peft_on_the_ops_masks(monkeypatch):
     calls.clear()
     again, _ = _train_step(lean, _ids())
     assert torch.equal(again, logits) and len(calls) == 2 * len(PROJ)
-
-
-@interpreted
-def test_checkpointed_recomputation_redraws_the_masks(monkeypatch):
-    from tests.helpers import PROJ
-
-    _, lean = _models(0.3)
-    calls = _recording(monkeypatch)
-    logits, grads = _train_step(lean, _ids())
+    # gradient checkpointing: the recomputation redraws the forward's seeds (torch's RNG state restored), so
+    # the gradients are those without checkpointing, bit for bit
     first = list(calls)
     calls.clear()
     lean.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
