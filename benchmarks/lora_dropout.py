@@ -12,7 +12,8 @@ on the GPU): the maximum error relative to the largest reference value, and the 
 ``--bench`` times, at those shapes in bf16 with p = 0.05, forward and forward + backward of (a) PEFT's path as the
 lean layers run it under bf16 autocast (``lora_A(dropout(x))``, an fp32 ``nn.Linear``), eager; (b) the same
 compiled by inductor with ``fallback_random=True`` (as ``compile_training`` compiles the layers); (c) the op,
-with its seed drawn per call by ``torch.randint`` as the lean layer does. Medians of ``triton.testing.do_bench``
+with its seed drawn per call by ``torch.randint`` as the lean layer does, eager and (d) inside an inductor graph
+(``fullgraph=True``: the op is one opaque call there). Medians of ``triton.testing.do_bench``
 (L2 flushed between runs), in ms, with the HBM floor of the bytes each must move at 4.3 TB/s: the forward one
 read of ``x``, forward + backward three passes (the forward's read, the backward's read of ``x`` and write of
 ``grad_x``). ``--sweep`` times the op's forward and backward kernels per tile config (the ``TILES`` table's
@@ -43,7 +44,7 @@ from grpo_patches import lora_dropout as ld  # noqa: E402
 HBM = 4.3e12  # bytes / s (H200: 4.8 nominal; 4.3 sustained by a streaming read)
 P = 0.05
 RANK = 16
-SWEEP = ((32, 64, 4), (64, 64, 4), (64, 32, 4), (128, 32, 8), (64, 128, 8), (128, 64, 8), (32, 128, 4))
+SWEEP = ((32, 32, 4), (32, 64, 4), (64, 32, 4), (64, 64, 4), (64, 64, 8), (128, 32, 8), (32, 128, 8), (128, 64, 8))
 
 
 def shapes(tiny: bool) -> list[tuple[int, int]]:
@@ -143,9 +144,11 @@ def bench_shape(device: str, rows: int, k: int, measure) -> dict:
             u = fn()
         u.backward(grad_u)
 
-    compiled = torch.compile(peft, options={"fallback_random": True}) if device == "cuda" else peft
+    options = {"fallback_random": True}
+    compiled = torch.compile(peft, options=options) if device == "cuda" else peft
+    fused_compiled = torch.compile(fused, options=options, fullgraph=True) if device == "cuda" else fused
     row = {"T": rows, "K": k, "R": RANK, "dtype": "bfloat16", "p": P}
-    for name, fn in (("peft_eager", peft), ("peft_compiled", compiled), ("op", fused)):
+    for name, fn in (("peft_eager", peft), ("peft_compiled", compiled), ("op", fused), ("op_compiled", fused_compiled)):
         row[f"{name}_fwd_ms"] = measure(lambda fn=fn: forward(fn))
         row[f"{name}_fwd_bwd_ms"] = measure(lambda fn=fn: both(fn))
     row["floor_fwd_ms"] = rows * k * x.element_size() / HBM * 1e3
@@ -156,7 +159,7 @@ def bench_shape(device: str, rows: int, k: int, measure) -> dict:
 def bench(device: str, tiny: bool) -> list[dict]:
     measure = timer(tiny)
     out = [bench_shape(device, rows, k, measure) for rows, k in shapes(tiny)]
-    names = ("peft_eager", "peft_compiled", "op", "floor")
+    names = ("peft_eager", "peft_compiled", "op", "op_compiled", "floor")
     print(f"\n{'T':>6} {'K':>5}  " + "  ".join(f"{n + ' fwd':>18} {n + ' f+b':>18}" for n in names))
     for row in out:
         print(f"{row['T']:>6} {row['K']:>5}  " + "  ".join(
