@@ -615,6 +615,10 @@ def run_variant(args, variant: str, round_idx: int, ctx: dict[str, Any]) -> dict
         from grpo_patches.generation import fused_loop
 
         fused_loop.GRAPH_STEPS = int(os.environ["BENCH_GRAPH_STEPS"])
+    if os.environ.get("BENCH_NO_FUSED_DROPOUT"):  # lean LoRA layers without the fused dropout op (experiment)
+        from grpo_patches import lora_dropout
+
+        lora_dropout._AVAILABLE = False
     if os.environ.get("BENCH_REWARD_MODEL_ROWS"):  # the kit's reward-model forward size (0: the whole batch)
         from grpo_patches import rewards
 
