@@ -555,6 +555,8 @@ def main(argv=None) -> int:
     ap.add_argument("--decode-loop", default="transformers",
                     help="--trl-step: the fast trainer's decode loop(s), comma list of: transformers, graph")
     ap.add_argument("--check-every", type=int, default=16, help="graph loop: decode steps between host checks")
+    ap.add_argument("--graph-steps", type=int, default=None,
+                    help="fused loop: decode steps per captured CUDA graph (default: --check-every)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--workdir", default="/tmp/bench_generation")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
@@ -569,6 +571,10 @@ def main(argv=None) -> int:
         ap.error(f"unknown decode loop {bad}; choose from {list(generation.DECODE_LOOPS)}")
     args.path_list = [n.strip() for n in args.paths.split(",") if n.strip()]
     SAMPLING.update(temperature=args.temperature, top_p=args.top_p)
+    if args.graph_steps:
+        from grpo_patches.generation import fused_loop
+
+        fused_loop.GRAPH_STEPS = args.graph_steps
     if args.new_tokens is None:
         args.new_tokens = 16 if names == ["tiny"] else 256
     if names == ["tiny"] and args.prompt_length == 128:
