@@ -35,10 +35,11 @@ RANK_PAD = 16  # tl.dot's smallest dimension
 BWD_PROGRAMS = 1024  # the backward's grid: row splits x column blocks, about this many programs
 # Tiles (block_t, block_j, num_warps), forward and backward, by input width K (first row with K <= bound).
 # Fixed rather than autotuned: the tiles set the fp32 summation order, and a run should not change its
-# numbers with a timing. Measured on H100 / H200 with benchmarks/lora_dropout.py --sweep.
+# numbers with a timing. 32 x 64 counters per step keep a thread's Philox outputs at 64 registers (4 warps);
+# not yet timed against the other candidates (benchmarks/lora_dropout.py --sweep times them on a GPU).
 TILES: tuple[tuple[int, tuple[int, int, int], tuple[int, int, int]], ...] = (
-    (2048, (64, 64, 4), (64, 64, 4)),
-    (1 << 62, (64, 64, 4), (64, 64, 4)),
+    (2048, (32, 64, 4), (32, 64, 4)),
+    (1 << 62, (32, 64, 4), (32, 64, 4)),
 )
 _AVAILABLE: bool | None = None  # set by available(); read as a plain global by use_kernel (compiled code)
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"  # Triton reads it at its import, as here

@@ -108,7 +108,7 @@ def test_reference_philox_is_random123s_known_answer_and_the_threshold_rounds_p(
             assert bool(mask[t, col]) == (int(lanes[col // 3][t, col % 3]) >= 2**31)
 
 
-def test_use_kernel_runs_on_cuda_with_triton_and_on_cpu_only_interpreted(monkeypatch):
+def test_use_kernel_runs_on_cuda_with_triton_and_on_cpu_only_interpreted_and_no_triton_means_no_op(monkeypatch):
     monkeypatch.setattr(ld, "_AVAILABLE", True)
     monkeypatch.setattr(ld, "_INTERPRETED", False)
     assert ld.use_kernel(torch.device("cuda", 0)) and not ld.use_kernel(torch.device("cpu"))
@@ -116,6 +116,10 @@ def test_use_kernel_runs_on_cuda_with_triton_and_on_cpu_only_interpreted(monkeyp
     assert ld.use_kernel(torch.device("cpu")) and not ld.use_kernel(torch.device("meta"))
     monkeypatch.setattr(ld, "_AVAILABLE", False)
     assert not ld.use_kernel(torch.device("cuda", 0)) and not ld.use_kernel(torch.device("cpu"))
+    # without Triton: the module imports (it did: torch only), available() says so, the op is not registered
+    monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` raises ImportError
+    monkeypatch.setattr(ld, "_AVAILABLE", None)
+    assert ld.available() is False and ld.prepare() is False and not ld.use_kernel(torch.device("cuda", 0))
 
 
 def test_fast_path_is_taken_only_where_all_its_conditions_hold(monkeypatch):
