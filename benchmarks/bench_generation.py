@@ -236,7 +236,8 @@ def bench_generate(name: str, args, device, dtype) -> dict:
     if "fast" in paths:
         res.update(time_fast(model, "fast", fast_config, base_config, one_token, lengths, batch, vocab, new, device))
         gc.collect()
-    graph_config = dataclasses.replace(fast_config, decode_loop="graph", check_every=args.check_every)
+    graph_config = dataclasses.replace(fast_config, decode_loop="graph", check_every=args.check_every,
+                                       graph_steps=args.graph_steps)
     graph_paths = {"graph": graph_config,
                    "graph_model": dataclasses.replace(graph_config, fused_decode=False),
                    "graph_unmerged": dataclasses.replace(graph_config, merge_lora=False),
@@ -484,7 +485,7 @@ def run_trl(name: str, args, device, dtype, fast: bool, decode_loop: str = "tran
     randomize_lora_b(trainer.model)
     state = enable_fast_generation(trainer, FastGenerationConfig(
         force_compile=args.force_compile, backend=args.backend, mode=args.mode, bucket=args.bucket,
-        decode_loop=decode_loop, check_every=args.check_every)) if fast else None
+        decode_loop=decode_loop, check_every=args.check_every, graph_steps=args.graph_steps)) if fast else None
     gen_seconds: list[float] = []
 
     def timing(wrapped, instance, a, kw):
@@ -571,10 +572,6 @@ def main(argv=None) -> int:
         ap.error(f"unknown decode loop {bad}; choose from {list(generation.DECODE_LOOPS)}")
     args.path_list = [n.strip() for n in args.paths.split(",") if n.strip()]
     SAMPLING.update(temperature=args.temperature, top_p=args.top_p)
-    if args.graph_steps:
-        from grpo_patches.generation import fused_loop
-
-        fused_loop.GRAPH_STEPS = args.graph_steps
     if args.new_tokens is None:
         args.new_tokens = 16 if names == ["tiny"] else 256
     if names == ["tiny"] and args.prompt_length == 128:

@@ -115,6 +115,8 @@ VARIANTS: dict[str, tuple[dict[str, Any] | None, dict[str, Any]]] = {
         "decode_loop": "graph", "keep_graph": True}, "lean_lora": True, "compile_training": True}, {}),
     # apply(speed=True): fast_generation + lean_lora + compile_training, each at its defaults
     "patched-speed": ({"reward_placement": "local", "speed": True}, {}),
+    # the same capturing one decode step per CUDA graph (replayed check_every times between host checks)
+    "patched-speed-g1": ({"reward_placement": "local", "speed": True, "fast_generation": {"graph_steps": 1}}, {}),
     # the same with the fused step's attention as matmuls over the whole static cache (no Triton kernel)
     "patched-speed-matmul": ({"reward_placement": "local", "speed": True,
                               "fast_generation": {"decode_attention": "matmul"}}, {}),
@@ -611,10 +613,6 @@ def run_variant(args, variant: str, round_idx: int, ctx: dict[str, Any]) -> dict
         torch.cuda.reset_peak_memory_stats()
         torch.cuda.reset_accumulated_memory_stats()
     options, config_overrides = VARIANTS[variant]
-    if os.environ.get("BENCH_GRAPH_STEPS"):  # decode steps per captured graph of the fused loop (experiment)
-        from grpo_patches.generation import fused_loop
-
-        fused_loop.GRAPH_STEPS = int(os.environ["BENCH_GRAPH_STEPS"])
     if os.environ.get("BENCH_NO_FUSED_DROPOUT"):  # lean LoRA layers without the fused dropout op (experiment)
         from grpo_patches import lora_dropout
 

@@ -25,11 +25,12 @@ from tests.fastgen_helpers import (  # noqa: F401  (_fresh: autouse)
 
 @gpu
 @pytest.mark.slow
-@pytest.mark.parametrize("attention", ["matmul", "kernel"])
-def test_gpu_fused_loop_is_one_cuda_graph_per_check_every_tokens_captured_once_and_equal_to_eager(attention):
+@pytest.mark.parametrize("attention, graph_steps", [("matmul", None), ("kernel", None), ("kernel", 1)])
+def test_gpu_fused_loop_is_one_cuda_graph_per_check_every_tokens_captured_once_and_equal_to_eager(attention,
+                                                                                                 graph_steps):
     model = eos_prone_policy().cuda()
     kept = FastGenerationConfig(decode_loop="graph", check_every=4, release_after_sampling=False,
-                                decode_attention=attention)
+                                decode_attention=attention, graph_steps=graph_steps)
     stats = generation.GRAPH_STATS.fused
     captures0, replays0 = stats.captures, stats.replays
     for seed, lengths in enumerate(([5, 9, 7, 3], [11, 4, 8, 6], [2, 13, 9, 9])):
@@ -40,7 +41,8 @@ def test_gpu_fused_loop_is_one_cuda_graph_per_check_every_tokens_captured_once_a
     assert stats.capture_errors == [] and stats.captures == captures0 + 1, "captured once, replayed after"
     assert stats.replays - replays0 >= 3 * 2, "12 new tokens in replays of 4"
     # the default: the graph goes with the cache
-    dropped = FastGenerationConfig(decode_loop="graph", check_every=4, decode_attention=attention)
+    dropped = FastGenerationConfig(decode_loop="graph", check_every=4, decode_attention=attention,
+                                   graph_steps=graph_steps)
     for expected in (1, 2):  # the first still replays the kept graph, then frees it; the second captures anew
         assert torch.equal(fast_generate(model, ids, mask, generation_config=greedy(), config=dropped),
                            eager_generate(model, ids, mask))
@@ -197,6 +199,42 @@ def test_fused_loop_whose_graph_capture_fails_decodes_step_by_step_after_the_war
                            config=graph_config(fallback, check_every=4, release_after_sampling=False))
     assert torch.equal(second, eager)
     assert attempts == [4] and len(stats.capture_errors) == errors0 + 1, "one attempt over the same caches"
+
+
+@pytest.mark.parametrize("graph_steps", [None, 1, 2])
+def test_a_graph_of_graph_steps_is_replayed_until_the_next_check_and_gives_the_stepped_tokens(monkeypatch,
+                                                                                            graph_steps):
+    """The loop's CUDA graph (a stand-in here that runs the compiled step when replayed) holds
+    ``graph_steps`` decode steps (``check_every`` by default) and is replayed ``check_every / graph_steps``
+    times between host checks: the same tokens as decoding step by step, no step run twice or skipped."""
+    from grpo_patches.generation import fused_loop
+
+    model = eos_prone_policy()
+    ids, mask = batch([5, 9, 7, 3])
+    reference = Counting()
+    plain = fast_generate(model, ids, mask, generation_config=greedy(),
+                          config=graph_config(reference, check_every=4, release_after_sampling=False))
+    captured = []
+
+    class Graph:
+        def __init__(self, step, args, steps):
+            self.replay = lambda: [step(*args) for _ in range(steps)]
+
+    def capture(step, args, steps, need):
+        step(*args)  # the real warm-up step, as _capture runs it
+        captured.append(steps)
+        return Graph(step, args, steps), 0
+
+    monkeypatch.setattr(fused_loop, "_graphs_on", lambda device: True)
+    monkeypatch.setattr(fused_loop, "_capture", capture)
+    graphed = Counting()
+    config = graph_config(graphed, check_every=4, graph_steps=graph_steps, release_after_sampling=False)
+    assert torch.equal(fast_generate(model, ids, mask, generation_config=greedy(), config=config), plain)
+    assert captured == [graph_steps or 4]
+    steps = graph_steps or 4  # the last graph runs whole: past the last token by less than one graph
+    assert graphed.runs == reference.runs + (1 - reference.runs) % steps, "every decode step once"
+    with pytest.raises(ValueError, match="graph_steps=3 must be None or a positive divisor of check_every=4"):
+        FastGenerationConfig(check_every=4, graph_steps=3)
 
 
 def test_pool_release_keeps_captured_graphs_only_when_asked_and_forgets_a_failed_capture():

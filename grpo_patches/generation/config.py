@@ -52,6 +52,9 @@ class FastGenerationConfig:
             (compiled decoding and a plain temperature/top-k/top-p or greedy config only; anything
             else falls back to ``"transformers"``, with one warning).
         check_every: ``decode_loop="graph"``: decode steps between host checks of "every row ended".
+        graph_steps: the fused loop's decode steps per captured CUDA graph, a divisor of ``check_every``
+            (the graph is replayed ``check_every / graph_steps`` times between checks); ``None``:
+            ``check_every``. Fewer steps capture faster (the capture runs each step's host code once).
         merge_lora: sample from a separate buffer holding ``W + scaling * B @ A`` of every plain LoRA
             linear layer (computed in fp32 once per call, so always from the current adapter), so
             decoding runs base-shaped matmuls only; the base weights are never written. ``False``:
@@ -92,6 +95,7 @@ class FastGenerationConfig:
     record_sampling_logprobs: bool = False
     decode_loop: str = "graph"
     check_every: int = 16
+    graph_steps: int | None = None
     merge_lora: bool = True
     release_after_sampling: bool = True
     fused_decode: bool = True
@@ -116,6 +120,11 @@ class FastGenerationConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"FastGenerationConfig: {name}={value!r} must be a positive integer, e.g. "
                                  f"{name}={getattr(type(self), name)}.")
+        steps = self.graph_steps
+        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1
+                                  or self.check_every % steps):
+            raise ValueError(f"FastGenerationConfig: graph_steps={steps!r} must be None or a positive divisor of "
+                             f"check_every={self.check_every} (e.g. graph_steps=1).")
         mpl = self.max_prompt_length
         if mpl is not None and (isinstance(mpl, bool) or not isinstance(mpl, int) or mpl < 1):
             raise ValueError(f"FastGenerationConfig: max_prompt_length={mpl!r} must be None or a positive integer "

@@ -5,9 +5,12 @@ only then asks whether every row has ended.
 
 Per-token host work (a replay, the bookkeeping kernels, dynamo's guard checks over hundreds of
 weight arguments) is what kept the one-token graph loop above the weights' read time at small
-batches. The graph's steps past ``max_new_tokens`` (the last replay is whole) write nothing that is
-returned: the output buffer is wide enough, and their cache writes are clamped to the last slot,
-which no returned token reads afterwards.
+batches. With ``graph_steps`` the graph holds fewer steps (one, say) and is replayed
+``check_every / graph_steps`` times between checks: the capture runs each captured step's host code once,
+so a shorter graph captures faster, and the last check replays only what reaches ``max_new_tokens``. The
+graph's steps past ``max_new_tokens`` (its last replay is whole) write nothing that is returned: the output
+buffer is wide enough, and their cache writes are clamped to the last slot, which no returned token reads
+afterwards.
 
 A captured graph lives in the pool's ``graphs`` with its state tensors and the addresses it was
 recorded over (weights, caches). It is replayed only while they are all unchanged, else captured
@@ -67,7 +70,6 @@ def _make_token_step(s: Sampler, shape: DecoderShape, kernel: bool = False) -> C
 
 
 _STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {key: compiled token step}
-GRAPH_STEPS: int | None = None  # decode steps per captured graph (None: check_every), replayed check_every / n times
 _FAILED = ("capture failed",)  # key in the pool's graphs: a capture over these caches failed
 
 
@@ -135,7 +137,7 @@ def fused_decode(model: Any, decoder: FusedDecoder, cache: Any, first: torch.Ten
     stats.attention = "kernel" if kernel else "matmul"
     step = _token_step(model, s, decoder.shape, config, kernel)
     use_graph = graphs is not None and _graphs_on(device) and n_steps > 0 and _FAILED not in graphs
-    per_graph = GRAPH_STEPS if GRAPH_STEPS and chunk % GRAPH_STEPS == 0 else chunk
+    per_graph = config.graph_steps or chunk  # decode steps per captured graph, replayed chunk / per_graph times
     entry_key = (batch, keys[0].shape[2], width, s, decoder.shape, kernel, per_graph)
     entry = graphs.get(entry_key) if use_graph else None
     if entry is None:
@@ -182,10 +184,11 @@ def fused_decode(model: Any, decoder: FusedDecoder, cache: Any, first: torch.Ten
             finally:
                 stats.capture_seconds += time.perf_counter() - started
         while done < n_steps:
-            for _ in range(chunk // per_graph):
+            replays = -(-min(chunk, n_steps - done) // per_graph)  # the graphs up to the next check, or the end
+            for _ in range(replays):
                 entry.graph.replay()
             stats.replays += 1
-            done += chunk
+            done += replays * per_graph
             if done < n_steps and not bool(unfinished.any()):
                 break
         return out, min(done, n_steps)
