@@ -152,7 +152,8 @@ def enable_lean_lora(model: nn.Module) -> int:
     be skipped. A model without LoRA ``Linear`` layers is left alone, with a warning (0).
     """
     linear = _lora_linear()
-    lora_dropout.prepare()  # Triton probed and the op registered here, not inside a compiled layer's trace
+    # Triton probed, the op registered and checked on the model's device here, not inside a compiled layer's trace
+    lora_dropout.prepare(next((p.device for p in model.parameters()), None))
     count = 0
     for module in model.modules() if linear is not None else ():
         if type(module) is linear:  # not other subclasses (quantized, tensor-parallel): they cast for their own reasons

@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 
 import torch
 
-__all__ = ["available", "dropout_lora_a", "keep_mask", "prepare", "threshold", "use_kernel"]
+__all__ = ["available", "dropout_lora_a", "keep_mask", "prepare", "self_check", "threshold", "use_kernel"]
 
 _NAMESPACE = __name__.split(".")[0]  # the custom ops' namespace: this package's
 _HAS_CUSTOM_OP = hasattr(torch, "library") and hasattr(torch.library, "custom_op")
@@ -68,12 +69,54 @@ def use_kernel(device: torch.device) -> bool:
     return ok and _INTERPRETED and device.type == "cpu"
 
 
-def prepare() -> bool:
+def prepare(device: torch.device | str | None = None) -> bool:
     """Probe Triton and register the op (once) where it runs, before any compiled code calls
-    :func:`use_kernel` or :func:`dropout_lora_a` (both then read only globals). Whether the op is available."""
+    :func:`use_kernel` or :func:`dropout_lora_a` (both then read only globals); for a ``device`` the op runs
+    on, check the kernels there once (:func:`self_check`): one that fails turns the op off for the process,
+    with one warning, so PEFT's dropout runs. Whether the op is available."""
     if available():
         _op()
+        if device is not None and use_kernel(torch.device(device)):
+            _check_once(torch.device(device))
     return bool(_AVAILABLE)
+
+
+@functools.cache
+def _check_once(device: torch.device) -> None:
+    global _AVAILABLE
+    problem = self_check(device)
+    if problem:
+        _AVAILABLE = False
+        warnings.warn(f"grpo_patches: the fused LoRA dropout kernel failed its check on {device} ({problem}); LoRA "
+                      "dropout runs as in PEFT.", RuntimeWarning, stacklevel=4)
+
+
+def self_check(device: torch.device | str) -> str:
+    """The op's forward and backward on ``device`` against float64 torch math on :func:`keep_mask`, at a
+    shape off every tile, in bf16 and fp32: ``""``, or what failed (a compilation error, a wrong value).
+    The hardware compiles kernels the interpreted tests cannot reach; this runs them once before training."""
+    try:
+        g = torch.Generator(device=device).manual_seed(0)
+        seed, p, rows, k, rank = torch.tensor([20261205], device=device), 0.25, 67, 97, 16
+        for dtype, tolerance in ((torch.bfloat16, 2e-2), (torch.float32, 1e-4)):
+            x = torch.randn(rows, k, device=device, generator=g).to(dtype).requires_grad_()
+            a = (torch.randn(rank, k, device=device, generator=g) * k**-0.5).requires_grad_()
+            grad_u = torch.randn(rows, rank, device=device, generator=g).to(dtype)
+            with torch.enable_grad(), torch.autocast(torch.device(device).type, enabled=False):
+                u = dropout_lora_a(x, a, p, seed)
+                u.backward(grad_u)
+            keep = keep_mask(seed, rows, k, p)
+            dropped = torch.where(keep, x.detach().double() / (1 - p), 0.0).to(dtype).double()
+            a_in, gu = a.detach().to(dtype).double(), grad_u.double()
+            wanted = {"u": (u, dropped @ a_in.T), "grad_x": (x.grad, torch.where(keep, gu @ a_in / (1 - p), 0.0)),
+                      "grad_A": (a.grad, gu.T @ dropped)}
+            for name, (got, want) in wanted.items():
+                error = ((got.double() - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+                if not error <= tolerance:
+                    return f"{name} in {str(dtype).split('.')[-1]} off by {error:.1e} of its largest value"
+    except Exception as exc:  # noqa: BLE001 - any failure to run is a failed check
+        return repr(exc)[:300]
+    return ""
 
 
 def threshold(p: float) -> int:

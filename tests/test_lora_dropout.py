@@ -129,6 +129,7 @@ def test_fast_path_is_taken_only_where_all_its_conditions_hold(monkeypatch):
     from tests.helpers import PROJ, live_lora_policy
 
     monkeypatch.setattr(ld, "use_kernel", lambda device: device.type == "cpu")  # as under TRITON_INTERPRET=1
+    monkeypatch.setattr(ld, "_check_once", lambda device: None)  # the kernels cannot run here, uninterpreted
     model = live_lora_policy(0.3, dtype=torch.bfloat16)
     lean_lora.enable_lean_lora(model)
     layer = lean_lora.lean_layers(model)[0].train()
@@ -256,6 +257,22 @@ def test_threshold_is_inclusive_mask_follows_the_seed_not_the_tiles_and_keeps_on
     assert rel(u, reference(x, a, grad_u, None, 0.3, keep=mask)[0]) <= 1e-5
 
 
+@interpreted
+def test_self_check_passes_and_a_kernel_that_fails_it_turns_the_op_off_with_a_warning(monkeypatch):
+    """``prepare(device)`` checks the kernels once on the device the model trains on; a wrong (or failing)
+    kernel there sends every layer back to PEFT's dropout instead of training on wrong gradients."""
+    monkeypatch.setattr(ld, "_AVAILABLE", ld._AVAILABLE)  # restored after the test
+    ld._check_once.cache_clear()
+    assert ld.self_check("cpu") == ""
+    real = ld._backward
+    monkeypatch.setattr(ld, "_backward", lambda *args: (real(*args)[0], real(*args)[1] * 1.01))  # grad_A 1% off
+    assert ld.self_check("cpu").startswith("grad_A in float32 off by 1.0e-02")  # within bf16's rounding, not fp32's
+    with pytest.warns(RuntimeWarning, match="fused LoRA dropout kernel failed its check on cpu"):
+        assert ld.prepare("cpu") is False
+    assert not ld.use_kernel(torch.device("cpu"))
+    ld._check_once.cache_clear()
+
+
 # ------------------------------------------------------------------------------------ the lean layer, interpreted
 
 def _models(dropout):
@@ -280,7 +297,8 @@ def _train_step(model, ids, *, seed=11):
 
 
 def _recording(monkeypatch):
-    """Records each op call's (seed, p, rows, K) in call order."""
+    """Records each op call's (seed, p, rows, K) in call order (after the op's one check on this device)."""
+    ld.prepare("cpu")
     calls, original = [], ld.dropout_lora_a
 
     def record(x, weight_a, p, seed, **kw):
