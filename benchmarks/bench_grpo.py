@@ -613,10 +613,6 @@ def run_variant(args, variant: str, round_idx: int, ctx: dict[str, Any]) -> dict
         torch.cuda.reset_peak_memory_stats()
         torch.cuda.reset_accumulated_memory_stats()
     options, config_overrides = VARIANTS[variant]
-    if os.environ.get("BENCH_NO_FUSED_DROPOUT"):  # lean LoRA layers without the fused dropout op (experiment)
-        from grpo_patches import lora_dropout
-
-        lora_dropout._AVAILABLE = False
     if os.environ.get("BENCH_REWARD_MODEL_ROWS"):  # the kit's reward-model forward size (0: the whole batch)
         from grpo_patches import rewards
 
