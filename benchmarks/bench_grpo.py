@@ -43,9 +43,11 @@ its Python call tree (cProfile), ``BENCH_KERNELS=name`` its CUDA kernels by kind
 last call's, ``kernels-<name>-<variant>-rank<r>.json``), over the timed steps only (not the warm-up's
 compilation), ``BENCH_TRACE=name[,name]`` a host + device timeline of its first timed call (a gzipped Chrome
 trace, ``trace-<name>-<variant>-rank<r>.json.gz``, with Python stacks where ``BENCH_TRACE_STACK`` names it;
-open it in Perfetto; a training step's is one after that step's sampling). All three slow the
-profiled calls: profile in a
-run of its own, not in the one whose step times are reported.
+open it in Perfetto; a training step's is one after that step's sampling; ``benchmarks/trace_gaps.py`` lists its
+device idle gaps). All three slow the profiled calls: profile in a run of its own, not in the one whose step times
+are reported. ``BENCH_REWARD_MODEL_ROWS=n`` sets the kit's reward-model forward size (``rewards.REWARD_MODEL_ROWS``;
+0: one forward per batch, as stock) for an A/B. The grid driver writes a row's log when the row ends: give a
+command around it more time than ``--probe-timeout``.
 """
 
 from __future__ import annotations
