@@ -54,7 +54,7 @@ class FastGenerationConfig:
         check_every: ``decode_loop="graph"``: decode steps between host checks of "every row ended".
         graph_steps: the fused loop's decode steps per captured CUDA graph, a divisor of ``check_every``
             (the graph is replayed ``check_every / graph_steps`` times between checks); ``None``:
-            ``check_every``. Fewer steps capture faster (the capture runs each step's host code once).
+            ``check_every``. A capture runs each captured step's host code once.
         merge_lora: sample from a separate buffer holding ``W + scaling * B @ A`` of every plain LoRA
             linear layer (computed in fp32 once per call, so always from the current adapter), so
             decoding runs base-shaped matmuls only; the base weights are never written. ``False``:

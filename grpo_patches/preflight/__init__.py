@@ -46,7 +46,8 @@ per_device_train_batch_size, S = steps_per_generation, P / C = prompt / completi
   (``keep_graph``, or no ``release_after_sampling``).
 - ``reward_weights``: each reward model's parameters in its dtype, on every rank ("local") or on
   rank 0 only ("main"). ``reward_scoring``: one no-grad forward over a chunk of completions (the
-  prefill formula with the reward model's widths; at most ``rewards.REWARD_MODEL_ROWS`` completions). Rule-based reward functions cost nothing here.
+  prefill formula with the reward model's widths; at most ``rewards.REWARD_MODEL_ROWS`` completions).
+  Rule-based reward functions cost nothing here.
 - No reference model: with PEFT, TRL gets reference log-probs by disabling the adapter (beta > 0),
   and beta defaults to 0.0 in recent TRL.
 

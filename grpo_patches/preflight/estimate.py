@@ -15,7 +15,7 @@ from grpo_patches.preflight.count import Arch, ParamCount
 from grpo_patches.preflight.layout import Layout
 from grpo_patches.preflight.report import RankEstimate
 from grpo_patches.preflight.settings import RewardModelSpec, RunSettings, dtype_bytes
-from grpo_patches.rewards import REWARD_MODEL_ROWS
+from grpo_patches.rewards import model_chunk
 
 __all__ = ["FastGenerationMemory", "activation_bytes", "estimate_inputs", "estimate_ranks", "layer_bytes_per_token",
            "lean_input_width"]
@@ -244,7 +244,7 @@ def estimate_ranks(
                 rm_bytes = dtype_bytes(spec.dtype)
                 rm_weights += rm_params * rm_bytes
                 chunk = spec.batch_size or (n_gen if placement == "local" else n_gen * world_size)
-                chunk = min(chunk, n_gen * (world_size if placement == "main" else 1), REWARD_MODEL_ROWS)
+                chunk = model_chunk(min(chunk, n_gen * (world_size if placement == "main" else 1)), 1)
                 seq = prompt + completion
                 rm_scoring = max(
                     rm_scoring,
