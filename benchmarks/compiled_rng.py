@@ -1,5 +1,5 @@
 """Where inductor's random numbers cost time: the compiled training layers' LoRA dropout and the decode
-step's Gumbel-max pick, each with inductor's own generator (one Philox draw per element, fused into the
+step's pick (the inverse-CDF sample, and the Gumbel-max pick it replaced), each with inductor's own generator (one Philox draw per element, fused into the
 kernel that uses it) and with ``fallback_random`` (ATen's generator, four values per Philox draw, in a
 kernel of its own).
 
@@ -113,6 +113,14 @@ def _sorted_top_p(logits: torch.Tensor, temperature: float, top_p: float) -> tor
     return scores.masked_fill(remove.scatter(-1, order, remove), -float("inf"))
 
 
+def gumbel_pick(scores: torch.Tensor, s) -> torch.Tensor:
+    """The fused step's pick before ``sampler.inverse_cdf``: Gumbel-max, one random number per vocabulary entry."""
+    if not s.do_sample:
+        return scores.argmax(-1)
+    u = torch.rand_like(scores).clamp_(min=torch.finfo(torch.float32).tiny)
+    return (scores - torch.log(-torch.log(u))).argmax(-1)
+
+
 def _sampling_fns() -> dict:
     """The pick variants timed, by name: each a function of the logits."""
     from grpo_patches.generation import sampler
@@ -134,8 +142,12 @@ def _sampling_fns() -> dict:
         return pick(scores.masked_fill(~sampler.nucleus(scores, keys, bits, s.top_p, ways), -float("inf")), s)
 
     fns = {"eager multinomial": lambda x: torch.multinomial(x.float().softmax(-1), 1)}
+    def plain_gumbel(x, s=plain):
+        return gumbel_pick(warp(x, s), s)
+
     for mode, options in MODES.items():
         fns[f"compiled plain, {mode}"] = torch.compile(plain_pick, options=dict(options))
+        fns[f"compiled plain Gumbel-max, {mode}"] = torch.compile(plain_gumbel, options=dict(options))
     fns["compiled top-p 0.9 T0.7 by sort"] = torch.compile(sorted_pick, options=dict(fallback))
     for ways in (2, 4, 16):
         fns[f"compiled top-p 0.9 T0.7 by nucleus, {ways} ways"] = torch.compile(
@@ -153,6 +165,8 @@ def sampling(args, device: torch.device) -> dict:
     for rows in rows_list:
         logits = torch.randn(rows, vocab, device=device, dtype=torch.bfloat16) * 3
         for name, fn in _sampling_fns().items():
+            if args.sampling_names and not any(part in name for part in args.sampling_names.split("|")):
+                continue
             torch._dynamo.reset()
             try:
                 for _ in range(args.warmup):
@@ -178,6 +192,8 @@ def main() -> None:
     p.add_argument("--no-lora", action="store_true", help="training: the frozen base layers alone, no adapter")
     p.add_argument("--modes", default="", help="training: a comma list of eager,inductor,fallback_random")
     p.add_argument("--no-sampling", action="store_true")
+    p.add_argument("--sampling-names", default="", help="sampling: time only the variants whose names hold one of "
+                   "these |-separated parts")
     p.add_argument("--no-training", action="store_true")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reps", type=int, default=5)

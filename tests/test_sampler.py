@@ -1,6 +1,8 @@
 """generation.sampler: the compiled decode step's warping. Its top-p keeps exactly the tokens transformers'
 ``TopPLogitsWarper`` keeps (a threshold search instead of a sort of the vocabulary), ties at the boundary
-kept whole; on the GPU the fused loop samples with it at a real vocabulary, compiled."""
+kept whole; on the GPU the fused loop samples with it at a real vocabulary, compiled. Its sample is the
+token whose cumulative-mass interval holds one uniform per row, as a search over the whole vocabulary's
+cumulative sum finds it."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import torch
 
 from grpo_patches import generation
 from grpo_patches.generation import FastGenerationConfig, fast_generate
-from grpo_patches.generation.sampler import Sampler, nucleus, order_keys, warp
+from grpo_patches.generation.sampler import BLOCK, Sampler, inverse_cdf, nucleus, order_keys, pick, warp
 from tests.fastgen_helpers import batch, gpu, transformers_warped
 
 
@@ -103,6 +105,35 @@ def test_nucleus_edge_cases():
     expected = _transformers_kept(scores, 1.0, 0, 0.8)
     for ways in (2, 3, 4, 16):
         assert torch.equal(nucleus(scores, keys, bits, 0.8, ways), expected), ways
+
+
+@pytest.mark.parametrize("vocab", [BLOCK * 3, BLOCK * 2 + 45, 7])
+def test_inverse_cdf_is_the_search_of_the_whole_cumulative_sum(vocab):
+    torch.manual_seed(vocab)
+    scores = torch.randn(256, vocab) * 3
+    scores[:, ::5] = -float("inf")  # weight 0: never picked
+    scores[:8, 0], scores[:8, 1:] = 0.0, -float("inf")  # a single token left in a row
+    u = torch.rand(256, 1)
+    u[:4], u[4:8] = 0.0, 1 - 2 ** -24  # the ends of [0, 1)
+    expected = torch.searchsorted(scores.double().softmax(-1).cumsum(-1), u.double(), right=True).squeeze(-1)
+    got = inverse_cdf(scores, u)
+    assert torch.equal(got, expected.clamp(max=vocab - 1))
+    assert torch.isfinite(scores.gather(-1, got.unsqueeze(-1))).all()
+    assert (got[:8] == 0).all()
+    # ties: a uniform at a token's upper cumulative bound belongs to the next token
+    tied = torch.zeros(1, 4)
+    assert inverse_cdf(tied, torch.tensor([[0.5]])).item() == 2 and inverse_cdf(tied, torch.tensor([[0.49]])).item() == 1
+
+
+def test_pick_samples_softmax_and_greedy_takes_the_argmax():
+    torch.manual_seed(0)
+    scores = torch.randn(1, BLOCK + 100) * 2
+    n = 40000
+    freq = torch.bincount(pick(scores.expand(n, -1), _sampler()), minlength=scores.shape[-1]).double() / n
+    probs = scores.double().softmax(-1)[0]
+    assert (freq - probs).abs().max().item() < 4.5 * (probs.max().item() / n) ** 0.5
+    greedy = Sampler(do_sample=False, temperature=1.0, top_k=0, top_p=1.0, eos=(1,), pad=0)
+    assert torch.equal(pick(scores, greedy), scores.argmax(-1))
 
 
 def _real_vocab_policy(vocab=151936, seed=0):

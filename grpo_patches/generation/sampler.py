@@ -1,5 +1,6 @@
 """How a decode step picks the next token: transformers' temperature / top-k / top-p warping and the
-sample (Gumbel-max) or greedy pick, on fixed shapes (no host synchronization), plus the EOS test."""
+sample (inverse CDF over vocabulary blocks) or greedy pick, on fixed shapes (no host synchronization), plus
+the EOS test."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Sampler", "eos_hit", "nucleus", "order_keys", "pick", "warp"]
+__all__ = ["Sampler", "eos_hit", "inverse_cdf", "nucleus", "order_keys", "pick", "warp"]
+
+BLOCK = 128  # vocabulary entries per block of the inverse-CDF sample
 
 
 @dataclass(frozen=True)
@@ -87,11 +90,38 @@ def nucleus(scores: torch.Tensor, keys: torch.Tensor, bits: int, top_p: float, w
 
 
 def pick(scores: torch.Tensor, s: Sampler) -> torch.Tensor:
-    """Greedy, or one sample of softmax(scores) (Gumbel-max: argmax(scores + Gumbel noise))."""
+    """Greedy, or one sample of softmax(scores) per row (:func:`inverse_cdf` of one uniform per row)."""
     if not s.do_sample:
         return scores.argmax(-1)
-    u = torch.rand_like(scores).clamp_(min=torch.finfo(torch.float32).tiny)
-    return (scores - torch.log(-torch.log(u))).argmax(-1)
+    return inverse_cdf(scores, torch.rand(scores.shape[0], 1, device=scores.device))
+
+
+def inverse_cdf(scores: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The token whose interval of softmax(scores)'s cumulative mass holds ``u`` ([B, 1] in [0, 1)): the first
+    token whose cumulative weight exceeds ``u`` times the row's total, so never one of weight 0 (-inf scores).
+
+    One random number per row, where a Gumbel-max pick draws one per vocabulary entry: on an H200 that pick
+    cost ~0.9 ms per decode step at 1024 rows of a 152k vocabulary, bound by its Philox draws. Here two
+    reductions read the scores (the row's maximum, then the weights' sums over blocks of ``BLOCK`` entries),
+    a cumulative sum over the blocks finds the block, and one over its ``BLOCK`` entries the token (no scan
+    over the whole vocabulary: inductor's split scan fails at that length)."""
+    rows, vocab = scores.shape
+    blocks = -(-vocab // BLOCK)
+    top = scores.amax(-1, keepdim=True)
+    padded = scores if vocab == blocks * BLOCK else torch.nn.functional.pad(scores, (0, blocks * BLOCK - vocab),
+                                                                           value=-math.inf)
+    padded = padded.view(rows, blocks, BLOCK)
+    sums = torch.exp(padded - top.unsqueeze(-1)).sum(-1)  # [B, blocks]
+    ends = sums.cumsum(-1)
+    target = u * ends[:, -1:]
+    block = (ends <= target).sum(-1, keepdim=True).clamp_(max=blocks - 1)  # the first block ending past target
+    left = target - (ends.gather(-1, block) - sums.gather(-1, block))  # what remains inside that block
+    inner = torch.exp(padded.gather(1, block.unsqueeze(-1).expand(rows, 1, BLOCK)).squeeze(1) - top)
+    index = (inner.cumsum(-1) <= left).sum(-1, keepdim=True)
+    # rounding (the block's sum and its cumulative sum add in other orders) can leave ``left`` past the block:
+    # then its last token of positive weight
+    last = torch.where(inner > 0, torch.arange(BLOCK, device=scores.device), 0).amax(-1, keepdim=True)
+    return (block * BLOCK + torch.minimum(index, last)).squeeze(-1)
 
 
 def eos_hit(tokens: torch.Tensor, s: Sampler) -> torch.Tensor:
