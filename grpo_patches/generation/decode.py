@@ -1,6 +1,6 @@
 """The graph decode loop (``decode_loop="graph"``): an eager prefill into a pooled static cache, then
 one compiled step per token that runs the forward, transformers' temperature / top-k / top-p warping,
-the sample (Gumbel-max) or greedy pick and the EOS bookkeeping on fixed shapes, the host checking
+the sample (inverse CDF, one uniform per row) or greedy pick and the EOS bookkeeping on fixed shapes, the host checking
 for the end only every ``check_every`` steps. For Llama / Qwen2 / Mistral-shaped policies the step
 is the kit's fused one and ``check_every`` steps are one CUDA graph (``fused``, ``fused_loop``);
 otherwise the model's own forward runs in the step, one CUDA-graph replay per token. A config it
