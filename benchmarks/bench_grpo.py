@@ -47,7 +47,7 @@ open it in Perfetto; a training step's is one after that step's sampling; ``benc
 device idle gaps). All three slow the profiled calls: profile in a run of its own, not in the one whose step times
 are reported. ``BENCH_REWARD_MODEL_ROWS=n`` sets the kit's reward-model forward size (``rewards.REWARD_MODEL_ROWS``;
 0: one forward per batch, as stock) for an A/B, ``BENCH_PICK=gumbel`` the fast generation's Gumbel-max pick in place
-of its inverse-CDF sample. The grid driver writes a row's log when the row ends: give a
+of its inverse-CDF sample, ``BENCH_FUSED_GATE_UP=0`` the compiled layers with PEFT's own gate and up projections. The grid driver writes a row's log when the row ends: give a
 command around it more time than ``--probe-timeout``.
 """
 
@@ -620,6 +620,10 @@ def run_variant(args, variant: str, round_idx: int, ctx: dict[str, Any]) -> dict
         from grpo_patches import rewards
 
         rewards.REWARD_MODEL_ROWS = int(os.environ["BENCH_REWARD_MODEL_ROWS"])
+    if os.environ.get("BENCH_FUSED_GATE_UP") == "0":  # compile_training with PEFT's own gate and up projections
+        from grpo_patches import fused_gate_up
+
+        fused_gate_up._fused = lambda mlp, x: None
     if os.environ.get("BENCH_PICK") == "gumbel":  # the fused step's pick before the inverse-CDF sample
         from benchmarks.compiled_rng import gumbel_pick
         from grpo_patches.generation import decode, fused_loop

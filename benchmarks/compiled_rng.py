@@ -9,7 +9,8 @@ kernel of its own).
 Training: ``--layers`` Qwen2.5-1.5B-shaped decoder layers (random weights) with the kit's pinned LoRA
 (r16, dropout 0.05, seven projections), ``lean_lora`` and ``compile_training``, gradient checkpointing on,
 bf16 autocast, one micro-batch of ``--micro-batch`` x ``--seq`` tokens: forward, recomputation and backward,
-per layer (``--lora-dropout``, ``--modes`` vary it). Sampling, over ``[rows, vocab]`` bf16 logits at
+per layer (``--lora-dropout``, ``--modes`` vary it; ``unfused``: the kit's settings with PEFT's own gate and up
+projections, no ``fused_gate_up``). Sampling, over ``[rows, vocab]`` bf16 logits at
 each of ``--rows`` (1024, 192 and 8): ``sampler.pick(sampler.warp(...))`` compiled as the fused decode step compiles
 it, plain (temperature 1) and with the pinned temperature 0.7 / top-p 0.9, whose top-p is timed three
 ways: a sort of the vocabulary (transformers' way), ``sampler.nucleus`` at 2, 4 and 16 cuts a pass, and
@@ -54,7 +55,7 @@ def training(args, device: torch.device) -> dict:
     from transformers import AutoModelForCausalLM
 
     from benchmarks.bench_grpo import model_config
-    from grpo_patches import compiled_training
+    from grpo_patches import compiled_training, fused_gate_up
     from grpo_patches.defaults import lora_config
     from grpo_patches.lean_lora import enable_lean_lora
 
@@ -79,11 +80,16 @@ def training(args, device: torch.device) -> dict:
     modes = [("eager", None), *MODES.items()]
     if args.modes:
         modes = [(m, o) for m, o in modes if m in args.modes.split(",")]
+    if not args.modes or "unfused" in args.modes.split(","):
+        modes.append(("unfused", MODES["fallback_random"]))
+    fused = fused_gate_up._fused
     for mode, options in modes:  # eager first: the layers are switched after it
         if options is not None:  # the kit's compiled layers, compiled anew with these inductor settings
             torch._dynamo.reset()
             compiled_training._OPTIONS, compiled_training._compiled = options, None
             compiled_training.enable_compiled_training(model)
+            # "unfused": the kit's settings with PEFT's own gate and up projections (no fused_gate_up)
+            fused_gate_up._fused = (lambda mlp, x: None) if mode == "unfused" else fused
 
         def step():
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
@@ -190,7 +196,8 @@ def main() -> None:
     p.add_argument("--rows", default="1024,192,8", help="sampling: comma list of rows of logits (generation batches)")
     p.add_argument("--lora-dropout", type=float, default=0.05, help="training: the LoRA dropout (0: none)")
     p.add_argument("--no-lora", action="store_true", help="training: the frozen base layers alone, no adapter")
-    p.add_argument("--modes", default="", help="training: a comma list of eager,inductor,fallback_random")
+    p.add_argument("--modes", default="", help="training: a comma list of eager,inductor,fallback_random,unfused "
+                   "(fallback_random without fused_gate_up)")
     p.add_argument("--no-sampling", action="store_true")
     p.add_argument("--sampling-names", default="", help="sampling: time only the variants whose names hold one of "
                    "these |-separated parts")

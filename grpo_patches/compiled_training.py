@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .fused_gate_up import enable_fused_gate_up
 from .swapped import same_name_subclass
 
 __all__ = ["check_layout", "compiled_layers", "enable_compiled_training"]
@@ -92,6 +93,7 @@ def enable_compiled_training(model: nn.Module, accelerator: Any = None) -> int:
     for layer in layers:
         if not getattr(type(layer), _MARK, False):
             layer.__class__ = _subclass(type(layer))
+    enable_fused_gate_up(layers)
     if not layers:
         warnings.warn(f"grpo_patches: compile_training=True, but {type(model).__name__} names no decoder layers "
                       "(transformers' _no_split_modules): nothing is compiled. Drop compile_training for this "
