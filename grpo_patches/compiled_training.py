@@ -20,6 +20,9 @@ kernel, and on the H200 that made the compiled layer 6% slower (30.1 against 28.
 128 x 288 tokens, ``benchmarks/compiled_rng.py``). The checkpointed recomputation reproduces the masks,
 as in eager, from the restored RNG state.
 
+Inside those layers the MLP's gate and up projections, with their adapters, run as one matmul
+(``fused_gate_up``).
+
 What differs from stock: inductor's fused kernels round differently (fp32 intermediates between the
 fused elementwise ops). Single process and DDP only: FSDP and DeepSpeed are refused when the trainer
 is built.
