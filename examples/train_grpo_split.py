@@ -267,6 +267,11 @@ def main(argv: list[str] | None = None) -> int:
     write_report(timer)
     print(f"done, {len(timer.times)} steps; step seconds {[round(t, 2) for t in timer.times]}; "
           f"peak GiB per device {({k: round(v, 2) for k, v in StepTimer.peaks(devices).items()})}", flush=True)
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():  # a process group left to interpreter exit can abort a rank
+        dist.barrier()
+        dist.destroy_process_group()
     return 0
 
 
