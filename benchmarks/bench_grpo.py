@@ -47,8 +47,9 @@ open it in Perfetto; a training step's is one after that step's sampling; ``benc
 device idle gaps). All three slow the profiled calls: profile in a run of its own, not in the one whose step times
 are reported. ``BENCH_REWARD_MODEL_ROWS=n`` sets the kit's reward-model forward size (``rewards.REWARD_MODEL_ROWS``;
 0: one forward per batch, as stock) for an A/B, ``BENCH_PICK=gumbel`` the fast generation's Gumbel-max pick in place
-of its inverse-CDF sample, ``BENCH_FUSED_GATE_UP=0`` the compiled layers with PEFT's own gate and up projections. The grid driver writes a row's log when the row ends: give a
-command around it more time than ``--probe-timeout``.
+of its inverse-CDF sample, ``BENCH_FUSED_GATE_UP=0`` the compiled layers with PEFT's own gate and up projections.
+The grid driver writes a row's log as the row runs; it starts the row after its own imports and preflight, so a
+command around it needs more time than ``--probe-timeout`` (a minute more).
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ import math
 import os
 import random
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -893,11 +895,10 @@ def find_max_batch(args) -> int:
             env = dict(os.environ, BENCH_RUN_ID=f"probe-{variant}-b{batch}-{time.strftime('%H%M%S')}",
                        PYTHONUNBUFFERED="1")
             t0 = time.perf_counter()
-            try:
-                proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.probe_timeout)
-                ok, output = proc.returncode == 0, proc.stdout + proc.stderr
-            except subprocess.TimeoutExpired:
-                ok, output = False, "timed out"
+            with tempfile.TemporaryFile("w+") as fh:
+                ok = run_row(cmd, env, fh, args.probe_timeout)
+                fh.seek(0)
+                output = fh.read()
             oom = "out of memory" in output.lower() or "OutOfMemoryError" in output
             tried[batch] = ok
             log(f"probe {variant} batch {batch}: {'ok' if ok else 'FAILED' + (' (OOM)' if oom else '')} "
@@ -991,6 +992,24 @@ def grid_rows(args) -> list[dict[str, Any]]:
     return rows
 
 
+def run_row(cmd: list[str], env: dict[str, str], log_file: Any, timeout: float) -> bool:
+    """Run one grid row, its output into ``log_file``; True when it exits 0. At ``timeout`` the launcher gets
+    SIGTERM, which it passes to its workers (they run in sessions of their own: a SIGKILL of the launcher leaves
+    them running on the GPU under the next row), then its process group SIGKILL."""
+    proc = subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        return proc.wait(timeout=timeout) == 0
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log_file.write(f"\ntimed out after --probe-timeout {timeout:g} s (the row's processes stopped)\n")
+        return False
+
+
 def grid_command(args, row: dict[str, Any], out: Path) -> list[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),
            str(Path(__file__).resolve()), "--probe", "--policy", args.policy, "--variants", row["variant"],
@@ -1061,14 +1080,11 @@ def run_grid(args) -> int:
             continue
         env = dict(os.environ, BENCH_RUN_ID=f"grid-{row['tag'].replace(' ', '-')}-{time.strftime('%H%M%S')}",
                    PYTHONUNBUFFERED="1")
-        try:
-            proc = subprocess.run(grid_command(args, row, runs), env=env, capture_output=True, text=True,
-                                  timeout=args.probe_timeout)
-            ok, output = proc.returncode == 0, proc.stdout + proc.stderr
-        except subprocess.TimeoutExpired:
-            ok, output = False, "timed out"
         runs.mkdir(parents=True, exist_ok=True)
-        (runs / f"log-{row['tag'].replace(' ', '-')}.txt").write_text(output[-200000:])
+        row_log = runs / f"log-{row['tag'].replace(' ', '-')}.txt"
+        with open(row_log, "w") as fh:  # written as the row runs: a row or a driver killed from outside leaves its log
+            ok = run_row(grid_command(args, row, runs), env, fh, args.probe_timeout)
+        output = row_log.read_text(errors="replace")
         recs = [r for r in load_jsonl(runs / "results.jsonl") if r.get("tag") == row["tag"]]
         steps = recs[-1]["timed_steps"] if ok and recs else []
         if steps:
