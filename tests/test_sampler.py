@@ -120,6 +120,11 @@ def test_inverse_cdf_is_the_search_of_the_whole_cumulative_sum(vocab):
     assert torch.equal(got, expected.clamp(max=vocab - 1))
     assert torch.isfinite(scores.gather(-1, got.unsqueeze(-1))).all()
     assert (got[:8] == 0).all()
+    # u x total can round up to the total (u = 1 - 2**-24): never a weight-0 token after the last positive one
+    tail = torch.randn(4, vocab)
+    tail[:, vocab // 3:] = -float("inf")
+    last = inverse_cdf(tail, torch.ones(4, 1))
+    assert torch.isfinite(tail.gather(-1, last.unsqueeze(-1))).all() and (last == vocab // 3 - 1).all()
     # ties: a uniform at a token's upper cumulative bound belongs to the next token
     tied = torch.zeros(1, 4)
     assert inverse_cdf(tied, torch.tensor([[0.5]])).item() == 2 and inverse_cdf(tied, torch.tensor([[0.49]])).item() == 1

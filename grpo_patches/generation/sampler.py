@@ -114,12 +114,14 @@ def inverse_cdf(scores: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     sums = torch.exp(padded - top.unsqueeze(-1)).sum(-1)  # [B, blocks]
     ends = sums.cumsum(-1)
     target = u * ends[:, -1:]
-    block = (ends <= target).sum(-1, keepdim=True).clamp_(max=blocks - 1)  # the first block ending past target
+    # the first block ending past target; where ``u * total`` rounds up to the total, the last of positive weight
+    positive = torch.where(sums > 0, torch.arange(blocks, device=scores.device), 0).amax(-1, keepdim=True)
+    block = torch.minimum((ends <= target).sum(-1, keepdim=True), positive)
     left = target - (ends.gather(-1, block) - sums.gather(-1, block))  # what remains inside that block
     inner = torch.exp(padded.gather(1, block.unsqueeze(-1).expand(rows, 1, BLOCK)).squeeze(1) - top)
     index = (inner.cumsum(-1) <= left).sum(-1, keepdim=True)
     # rounding (the block's sum and its cumulative sum add in other orders) can leave ``left`` past the block:
-    # then its last token of positive weight
+    # then its last token of positive weight, as above
     last = torch.where(inner > 0, torch.arange(BLOCK, device=scores.device), 0).amax(-1, keepdim=True)
     return (block * BLOCK + torch.minimum(index, last)).squeeze(-1)
 
