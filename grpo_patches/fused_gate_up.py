@@ -11,9 +11,9 @@ autograd function, not the whole assembled weight's.
 
 Used by the MLPs of the layers ``compile_training`` switches, while they are being compiled (the training
 forward and its recomputation) and only where it changes nothing of PEFT's semantics: both projections a
-vanilla LoRA ``Linear`` (one active adapter, no DoRA or other variant, no bias, not merged), dropout an
-``nn.Dropout`` or none, and an MLP whose ``forward`` is transformers' ``down_proj(act_fn(gate_proj(x)) *
-up_proj(x))`` (checked on its source). The adapters see what PEFT gives them (its own input cast, so
+vanilla LoRA ``Linear`` (one active adapter, no DoRA or other variant, no bias, not merged, base weight
+frozen), dropout an ``nn.Dropout`` or none, and an MLP whose ``forward`` is transformers'
+``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` (checked on its source). The adapters see what PEFT gives them (its own input cast, so
 ``lean_lora`` applies as it would) and the dropout masks are drawn in PEFT's order, gate's first. What differs:
 the base and adapter products are summed in the matmul's fp32 accumulator, where PEFT rounds each to the
 autocast dtype before adding them, and ``s B`` is rounded to that dtype as one factor.
@@ -87,6 +87,8 @@ def _adapter(module: nn.Module) -> str | None:
         return None
     base = module.base_layer
     if type(base) is not nn.Linear or base.bias is not None or module.lora_B[name].bias is not None:
+        return None
+    if base.weight.requires_grad:  # a trained base weight: its gradient is PEFT's path's to compute
         return None
     if type(module.lora_dropout[name]) not in (nn.Dropout, nn.Identity):
         return None

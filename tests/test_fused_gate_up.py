@@ -119,6 +119,9 @@ def test_only_transformers_gated_mlps_with_vanilla_adapters_fuse():
     mlp = mlp_of(model)
     x = torch.randn(2, 3, mlp.gate_proj.in_features)
     assert fused_gate_up._fused(mlp, x) is not None
+    mlp.gate_proj.base_layer.weight.requires_grad_(True)  # a trained base weight: PEFT's own path
+    assert fused_gate_up._fused(mlp, x) is None
+    mlp.gate_proj.base_layer.weight.requires_grad_(False)
     mlp.up_proj.merge()  # merged adapter: PEFT's own path
     assert fused_gate_up._fused(mlp, x) is None
     mlp.up_proj.unmerge()
