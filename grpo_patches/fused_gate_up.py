@@ -21,9 +21,11 @@ autocast dtype before adding them, and ``s B`` is rounded to that dtype as one f
 
 from __future__ import annotations
 
+import ast
 import functools
 import inspect
 import re
+import textwrap
 from typing import Any
 
 import torch
@@ -129,14 +131,19 @@ def _subclass(cls: type) -> type:
 
 @functools.cache
 def _gated(cls: type) -> bool:
-    """Whether ``cls.forward`` is transformers' gated MLP (its source, whitespace and docstring aside)."""
+    """Whether ``cls.forward``'s body is transformers' gated MLP (its statements; annotations, docstring and
+    formatting aside)."""
     try:
-        source = inspect.getsource(cls.forward)
-    except (OSError, TypeError):
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
+    except (OSError, TypeError, SyntaxError):
         return False
-    body = source.split(":", 1)[1] if source.lstrip().startswith("def ") else source
-    body = re.sub(r'""".*?"""', "", body, flags=re.S)
-    return re.sub(r"\s+", "", body) == _GATED
+    function = tree.body[0] if tree.body else None
+    if not isinstance(function, ast.FunctionDef):
+        return False
+    body = function.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant):
+        body = body[1:]  # the docstring
+    return re.sub(r"\s+", "", "".join(ast.unparse(statement) for statement in body)) == _GATED
 
 
 def fused_mlps(model: nn.Module) -> list[nn.Module]:

@@ -112,7 +112,14 @@ def test_only_transformers_gated_mlps_with_vanilla_adapters_fuse():
         def forward(self, x):
             return self.down_proj(self.act_fn(self.gate_proj(x)) + self.up_proj(x))
 
+    class AnnotatedMLP(OtherMLP):  # the gated forward with annotations and a docstring: switched
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            """Gated."""
+            down_proj = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+            return down_proj
+
     assert enable_fused_gate_up([OtherMLP()]) == 0
+    assert enable_fused_gate_up([AnnotatedMLP()]) == 1
     model = live_lora_policy(0.1, layers=1)
     assert enable_fused_gate_up([model]) == 1 and type(mlp_of(model)).__name__ == "LlamaMLP"
     assert enable_fused_gate_up([model]) == 1, "switched once"
