@@ -8,8 +8,8 @@
 # A row is VARIANT or ENV=VALUE[,ENV=VALUE]:VARIANT (the environment only for that row, e.g. BENCH_PICK=gumbel,
 # BENCH_REWARD_MODEL_ROWS=0, BENCH_FUSED_GATE_UP=0; see bench_grpo.py). Rows with an environment write to their
 # own folder under OUT (their variant name is the same). Each row gets what is left of BUDGET_S, less a minute for
-# the driver's own start, as its --probe-timeout; a row that would get less than MIN_ROW_S is skipped. The report
-# of every folder is printed at the end (and after each row, so a call cut short still shows what finished).
+# the driver's own start, as its --probe-timeout; a row that would get less than MIN_ROW_S is skipped. Each row's
+# step lines are printed when it ends (a call cut short still shows what finished), every folder's report at the end.
 #
 # Env (defaults): ROWS ("patched-speed stock"), POLICY (1.5b), COMPLETIONS (1024), GEN_BATCH (1024), MICRO (128),
 # CAP (24; 0: no cap), WARMUP (2), STEPS (2), BUDGET_S (560), MIN_ROW_S (120), OUT (/tmp/grid-rows), PYTHON (python3).

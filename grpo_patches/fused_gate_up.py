@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .lean_lora import _lora_linear
 from .swapped import same_name_subclass
 
 __all__ = ["enable_fused_gate_up", "fused_mlps"]
@@ -64,14 +65,6 @@ class _GateUp(torch.autograd.Function):
 
 def _weight(wg: torch.Tensor, wu: torch.Tensor, bg: torch.Tensor, bu: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.cat([wg, bg, torch.zeros_like(bu)], 1), torch.cat([wu, torch.zeros_like(bg), bu], 1)])
-
-
-def _lora_linear() -> type | None:
-    try:
-        from peft.tuners.lora.layer import Linear
-    except Exception:  # pragma: no cover - no PEFT: nothing to fuse
-        return None
-    return Linear
 
 
 def _adapter(module: nn.Module) -> str | None:

@@ -115,15 +115,18 @@ def inverse_cdf(scores: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     ends = sums.cumsum(-1)
     target = u * ends[:, -1:]
     # the first block ending past target; where ``u * total`` rounds up to the total, the last of positive weight
-    positive = torch.where(sums > 0, torch.arange(blocks, device=scores.device), 0).amax(-1, keepdim=True)
-    block = torch.minimum((ends <= target).sum(-1, keepdim=True), positive)
+    block = torch.minimum((ends <= target).sum(-1, keepdim=True), _last_positive(sums))
     left = target - (ends.gather(-1, block) - sums.gather(-1, block))  # what remains inside that block
     inner = torch.exp(padded.gather(1, block.unsqueeze(-1).expand(rows, 1, BLOCK)).squeeze(1) - top)
     index = (inner.cumsum(-1) <= left).sum(-1, keepdim=True)
     # rounding (the block's sum and its cumulative sum add in other orders) can leave ``left`` past the block:
     # then its last token of positive weight, as above
-    last = torch.where(inner > 0, torch.arange(BLOCK, device=scores.device), 0).amax(-1, keepdim=True)
-    return (block * BLOCK + torch.minimum(index, last)).squeeze(-1)
+    return (block * BLOCK + torch.minimum(index, _last_positive(inner))).squeeze(-1)
+
+
+def _last_positive(weights: torch.Tensor) -> torch.Tensor:
+    """Per row ([B, n]), the index of the last positive weight ([B, 1]; 0 where none is)."""
+    return torch.where(weights > 0, torch.arange(weights.shape[-1], device=weights.device), 0).amax(-1, keepdim=True)
 
 
 def eos_hit(tokens: torch.Tensor, s: Sampler) -> torch.Tensor:
