@@ -21,7 +21,8 @@ kernel, and on the H200 that made the compiled layer 6% slower (30.1 against 28.
 as in eager, from the restored RNG state.
 
 Inside those layers the MLP's gate and up projections, with their adapters, run as one matmul
-(``fused_gate_up``).
+(``fused_gate_up``). AOTAutograd's on-disk cache takes the graphs with that custom autograd function (it
+bypasses such graphs by default), so a later run loads the layers instead of tracing them again.
 
 What differs from stock: inductor's fused kernels round differently (fp32 intermediates between the
 fused elementwise ops). Single process and DDP only: FSDP and DeepSpeed are refused when the trainer
@@ -30,6 +31,7 @@ is built.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import Any
 
@@ -57,12 +59,24 @@ def _compiled_forward() -> Any:
     return _compiled
 
 
+def _cacheable_autograd_functions() -> Any:
+    """AOTAutograd's cache takes graphs with custom autograd functions (``fused_gate_up``'s), which it bypasses
+    by default: without it every run traces and partitions the layer again (a warm start saves one compile).
+    The functions' forward and backward are traced into the graph the cache key is made of. A no-op where
+    torch has no such setting."""
+    config = torch._functorch.config
+    if not hasattr(config, "autograd_cache_allow_custom_autograd_functions"):
+        return contextlib.nullcontext()
+    return config.patch(autograd_cache_allow_custom_autograd_functions=True)
+
+
 def _subclass(cls: type) -> type:
     """``cls`` with a forward that takes the compiled function when autograd is on; same name, picklable
     (``swapped``)."""
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if torch.is_grad_enabled():
-            return _compiled_forward()(self, *args, **kwargs)
+            with _cacheable_autograd_functions():
+                return _compiled_forward()(self, *args, **kwargs)
         return cls.forward(self, *args, **kwargs)
 
     return same_name_subclass(cls, _subclass, {"forward": forward, _MARK: True})

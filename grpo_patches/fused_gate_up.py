@@ -104,8 +104,7 @@ def _fused(mlp: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     wg, wu = gate.base_layer.weight, up.base_layer.weight
     bg = (gate.lora_B[a].weight * gate.scaling[a]).to(dtype)
     bu = (up.lora_B[b].weight * up.scaling[b]).to(dtype)
-    with torch.autocast(device, enabled=False):
-        both = _GateUp.apply(x.to(dtype), ug.to(dtype), uu.to(dtype), wg.to(dtype), wu.to(dtype), bg, bu)
+    both = _GateUp.apply(x.to(dtype), ug.to(dtype), uu.to(dtype), wg.to(dtype), wu.to(dtype), bg, bu)
     gate_out, up_out = both.split(wg.shape[0], -1)
     return gate_out, up_out
 

@@ -8,6 +8,7 @@ eager's, reproduced by the checkpointed recomputation.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
 
@@ -107,6 +108,44 @@ def test_no_grad_calls_run_the_eager_layer_and_compile_nothing():
     assert torch.equal(out_c, out_e), "the eager layer's bits"
     assert torch.equal(gen, eager.generate(input_ids=ids(5), max_new_tokens=4, do_sample=False))
     assert graphs() == before
+
+
+def _compile(model, batch, times):
+    """``step`` compiled in a fresh cache, then again after dynamo forgets its graphs (a warm start: only the
+    on-disk caches are left), ``times`` in all; each time's AOTAutograd cache counters."""
+    from torch._dynamo.utils import counters
+    from torch._inductor.utils import fresh_cache
+
+    runs = []
+    with fresh_cache():
+        for _ in range(times):
+            torch._dynamo.reset()
+            counters.clear()
+            runs.append((step(model, batch), dict(counters["aot_autograd"])))
+    return runs
+
+
+def test_a_warm_start_takes_the_layers_with_the_fused_gate_up_from_aot_autograds_cache(monkeypatch):
+    """The fused gate/up is a custom autograd function, which AOTAutograd's cache bypasses by default: every run
+    traced and partitioned the layer's forward and backward again (first, without the kit's setting). The
+    compiled layers allow it, so a warm start is a cache hit with the same loss and gradients."""
+    from grpo_patches.fused_gate_up import fused_mlps
+
+    model = peft_model(dropout=0.1, layers=1)
+    enable_compiled_training(model)
+    assert len(fused_mlps(model)) == 1
+    batch = ids(11)
+    monkeypatch.setattr(compiled_training, "_cacheable_autograd_functions", contextlib.nullcontext)
+    [(_, cold)] = _compile(model, batch, 1)
+    assert cold.get("autograd_cache_bypass") and not cold.get("autograd_cache_saved"), cold
+    monkeypatch.undo()
+
+    ((loss_c, grads_c), cold), ((loss_w, grads_w), warm) = _compile(model, batch, 2)
+    assert not cold.get("autograd_cache_bypass") and cold.get("autograd_cache_saved"), cold
+    assert warm.get("autograd_cache_hit") and not warm.get("autograd_cache_bypass"), warm
+    assert torch.equal(loss_w, loss_c)
+    for name, grad in grads_c.items():
+        assert torch.equal(grads_w[name], grad), name
 
 
 KIT_OPTIONS = dict(compiled_training._OPTIONS)  # the kit's inductor settings, before a test changes them
