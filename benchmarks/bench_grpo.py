@@ -421,8 +421,9 @@ class StepTimer:
                 d = derive(cur)
                 log(f"  {timer.label} step {len(timer.steps)}/{timer.total}: {cur['step_s']:.2f} s "
                     f"(generate {d['generate_s']:.2f}, rewards {d['rewards_s']:.3f}, "
-                    f"loss/backward {d['loss_backward_s']:.2f}; {int(cur.get('completion_tokens', 0))} tokens)",
-                    timer.rank)
+                    f"loss/backward {d['loss_backward_s']:.2f}; {int(cur.get('completion_tokens', 0))} tokens"
+                    + "".join(f"; {d[k]} {k.replace('_', ' ')}" for k in ("sample_alloc_retries", "train_alloc_retries")
+                              if d[k]) + ")", timer.rank)
 
         return _Cb()
 
@@ -453,6 +454,7 @@ class StepTimer:
             if phase_peak:  # this phase's own peak; the run's peak is kept in timer.peak
                 timer.peak = max(timer.peak, torch.cuda.max_memory_allocated())
                 torch.cuda.reset_peak_memory_stats()
+                retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)
             t0 = time.perf_counter()
             profiling = profiler is not None and len(timer.steps) >= timer.warmup  # timed steps only
             if profiling:
@@ -506,6 +508,9 @@ class StepTimer:
                     key, reserved = f"{name}_peak_bytes", f"{name}_reserved_bytes"
                     timer.cur[key] = max(timer.cur.get(key, 0), torch.cuda.max_memory_allocated())
                     timer.cur[reserved] = max(timer.cur.get(reserved, 0), torch.cuda.max_memory_reserved())
+                    # the allocator freed its cache and retried (a synchronizing cudaFree): time at the memory cap
+                    key = f"{name}_alloc_retries"
+                    timer.cur[key] = timer.cur.get(key, 0) + torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries
                 if count_tokens:  # _generate returns (prompt_ids, completion_ids, ...), lists of id lists
                     timer.cur["completion_tokens"] = timer.cur.get("completion_tokens", 0) + sum(
                         len(ids) for ids in out[1])
@@ -584,6 +589,8 @@ def derive(step: dict[str, float]) -> dict[str, float]:
         "train_peak_gib": step.get("training_step_peak_bytes", 0) / GiB or None,
         "sample_reserved_gib": step.get("_generate_and_score_completions_reserved_bytes", 0) / GiB or None,
         "train_reserved_gib": step.get("training_step_reserved_bytes", 0) / GiB or None,
+        "sample_alloc_retries": step.get("_generate_and_score_completions_alloc_retries"),
+        "train_alloc_retries": step.get("training_step_alloc_retries"),
     }
 
 
