@@ -32,6 +32,7 @@ is built.
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from typing import Any
 
@@ -59,13 +60,22 @@ def _compiled_forward() -> Any:
     return _compiled
 
 
+@functools.cache
+def _functorch_config() -> Any:
+    """torch's functorch settings where they have AOTAutograd's switch for custom autograd functions, else None.
+    Imported here: ``torch`` alone does not load the module."""
+    from torch._functorch import config
+
+    return config if hasattr(config, "autograd_cache_allow_custom_autograd_functions") else None
+
+
 def _cacheable_autograd_functions() -> Any:
     """AOTAutograd's cache takes graphs with custom autograd functions (``fused_gate_up``'s), which it bypasses
     by default: without it every run traces and partitions the layer again (a warm start saves one compile).
     The functions' forward and backward are traced into the graph the cache key is made of. A no-op where
     torch has no such setting."""
-    config = torch._functorch.config
-    if not hasattr(config, "autograd_cache_allow_custom_autograd_functions"):
+    config = _functorch_config()
+    if config is None:
         return contextlib.nullcontext()
     return config.patch(autograd_cache_allow_custom_autograd_functions=True)
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -146,6 +148,17 @@ def test_a_warm_start_takes_the_layers_with_the_fused_gate_up_from_aot_autograds
     assert torch.equal(loss_w, loss_c)
     for name, grad in grads_c.items():
         assert torch.equal(grads_w[name], grad), name
+
+
+def test_the_cache_setting_needs_nothing_but_torch_imported():
+    """``torch`` alone does not load its functorch settings (transformers and PEFT happen to): the switch imports
+    them itself, in a fresh interpreter too."""
+    code = ("import torch\nfrom grpo_patches.compiled_training import _cacheable_autograd_functions as switch\n"
+            "with switch():\n    from torch._functorch import config\n"
+            "    assert config.autograd_cache_allow_custom_autograd_functions\n"
+            "assert not config.autograd_cache_allow_custom_autograd_functions\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 KIT_OPTIONS = dict(compiled_training._OPTIONS)  # the kit's inductor settings, before a test changes them
