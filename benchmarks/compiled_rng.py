@@ -50,32 +50,42 @@ def _timed(fn, reps: int, cuda: bool) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def training(args, device: torch.device) -> dict:
+def decoder_stack(policy: str, layers: int, device: torch.device, lora_dropout: float | None = 0.05):
+    """``layers`` Qwen2.5-shaped decoder layers of ``policy`` (random weights, bf16 on a GPU) with the kit's
+    pinned LoRA and ``lean_lora`` (``lora_dropout=None``: the frozen base alone), checkpointing on, in training
+    mode: (the decoder stack without the LM head, its config)."""
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
     from benchmarks.bench_grpo import model_config
-    from grpo_patches import compiled_training, fused_gate_up
     from grpo_patches.defaults import lora_config
     from grpo_patches.lean_lora import enable_lean_lora
 
-    cuda = device.type == "cuda"
-    cfg = model_config("tiny" if args.tiny else "1.5b")
-    cfg.num_hidden_layers = args.layers
+    cfg = model_config(policy)
+    cfg.num_hidden_layers = layers
     torch.manual_seed(0)
-    base = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16 if cuda else torch.float32).to(device)
-    if args.no_lora:  # the frozen base alone: the floor of any LoRA implementation's layer
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    base = AutoModelForCausalLM.from_config(cfg, dtype=dtype).to(device)
+    if lora_dropout is None:  # the frozen base alone: the floor of any LoRA implementation's layer
         model = base.requires_grad_(False)
     else:
-        model = get_peft_model(base, lora_config(lora_dropout=args.lora_dropout))
+        model = get_peft_model(base, lora_config(lora_dropout=lora_dropout))
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.enable_input_require_grads()
     model.train()
-    if not args.no_lora:
+    if lora_dropout is not None:
         enable_lean_lora(model)
+    return (model if lora_dropout is None else model.get_base_model()).model, cfg
+
+
+def training(args, device: torch.device) -> dict:
+    from grpo_patches import compiled_training, fused_gate_up
+
+    cuda = device.type == "cuda"
+    inner, cfg = decoder_stack("tiny" if args.tiny else "1.5b", args.layers, device,
+                               None if args.no_lora else args.lora_dropout)
     ids = torch.randint(4, cfg.vocab_size, (args.micro_batch, args.seq), device=device)
     mask = torch.ones_like(ids)
-    inner = (model if args.no_lora else model.get_base_model()).model  # the decoder stack: no LM head
     out: dict = {}
     modes = [("eager", None), *MODES.items()]
     if args.modes:
@@ -87,7 +97,7 @@ def training(args, device: torch.device) -> dict:
         if options is not None:  # the kit's compiled layers, compiled anew with these inductor settings
             torch._dynamo.reset()
             compiled_training._OPTIONS, compiled_training._compiled = options, None
-            compiled_training.enable_compiled_training(model)
+            compiled_training.enable_compiled_training(inner)
             # "unfused": the kit's settings with PEFT's own gate and up projections (no fused_gate_up)
             fused_gate_up._fused = (lambda mlp, x: None) if mode == "unfused" else fused
 

@@ -30,32 +30,19 @@ def child(args: argparse.Namespace) -> dict:
     import contextlib
 
     import torch
-    from peft import get_peft_model
     from torch._dynamo.utils import counters
-    from transformers import AutoModelForCausalLM
 
     sys.path.insert(0, str(ROOT))
-    from benchmarks.bench_grpo import model_config
+    from benchmarks.compiled_rng import decoder_stack
     from grpo_patches import compiled_training
-    from grpo_patches.defaults import lora_config
-    from grpo_patches.lean_lora import enable_lean_lora
 
     if args.bypass:
         compiled_training._cacheable_autograd_functions = contextlib.nullcontext
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
-    cfg = model_config("tiny" if args.tiny else "1.5b")
-    cfg.num_hidden_layers = args.layers
-    torch.manual_seed(0)
-    base = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16 if cuda else torch.float32).to(device)
-    model = get_peft_model(base, lora_config())
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.enable_input_require_grads()
-    model.train()
-    enable_lean_lora(model)
-    compiled_training.enable_compiled_training(model)
+    inner, cfg = decoder_stack("tiny" if args.tiny else "1.5b", args.layers, device)
+    compiled_training.enable_compiled_training(inner)
     ids = torch.randint(4, cfg.vocab_size, (args.micro_batch, args.seq), device=device)
-    inner = model.get_base_model().model
     t0 = time.perf_counter()
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
         hidden = inner(input_ids=ids, attention_mask=torch.ones_like(ids)).last_hidden_state
