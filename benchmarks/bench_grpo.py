@@ -47,7 +47,8 @@ open it in Perfetto; a training step's is one after that step's sampling; ``benc
 device idle gaps). All three slow the profiled calls: profile in a run of its own, not in the one whose step times
 are reported. ``BENCH_REWARD_MODEL_ROWS=n`` sets the kit's reward-model forward size (``rewards.REWARD_MODEL_ROWS``;
 0: one forward per batch, as stock) for an A/B, ``BENCH_PICK=gumbel`` the fast generation's Gumbel-max pick in place
-of its inverse-CDF sample, ``BENCH_FUSED_GATE_UP=0`` the compiled layers with PEFT's own gate and up projections.
+of its inverse-CDF sample, ``BENCH_FUSED_GATE_UP=0`` the compiled layers with PEFT's own gate and up projections,
+``BENCH_DOWN_LAST=0`` with the down projection's base matmul inside their graph (recomputed with checkpointing).
 The grid driver writes a row's log as the row runs; it starts the row after its own imports and preflight, so a
 command around it needs more time than ``--probe-timeout`` (a minute more).
 """
@@ -633,6 +634,10 @@ def run_variant(args, variant: str, round_idx: int, ctx: dict[str, Any]) -> dict
         from grpo_patches import fused_gate_up
 
         fused_gate_up._fused = lambda mlp, x: None
+    if os.environ.get("BENCH_DOWN_LAST") == "0":  # compile_training with the down projection inside the graph
+        from grpo_patches import recompute_tail
+
+        recompute_tail.down_projection = lambda down, adapter, h: down(h)
     if os.environ.get("BENCH_PICK") == "gumbel":  # the fused step's pick before the inverse-CDF sample
         from benchmarks.compiled_rng import gumbel_pick
         from grpo_patches.generation import decode, fused_loop

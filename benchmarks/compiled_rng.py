@@ -10,7 +10,8 @@ Training: ``--layers`` Qwen2.5-1.5B-shaped decoder layers (random weights) with 
 (r16, dropout 0.05, seven projections), ``lean_lora`` and ``compile_training``, gradient checkpointing on,
 bf16 autocast, one micro-batch of ``--micro-batch`` x ``--seq`` tokens: forward, recomputation and backward,
 per layer (``--lora-dropout``, ``--modes`` vary it; ``unfused``: the kit's settings with PEFT's own gate and up
-projections, no ``fused_gate_up``). Sampling, over ``[rows, vocab]`` bf16 logits at
+projections, no ``fused_gate_up``; ``down-inside``: without ``recompute_tail``; ``--kernels N``: each mode's largest
+kernels). Sampling, over ``[rows, vocab]`` bf16 logits at
 each of ``--rows`` (1024, 192 and 8): ``sampler.pick(sampler.warp(...))`` compiled as the fused decode step compiles
 it, plain (temperature 1) and with the pinned temperature 0.7 / top-p 0.9, whose top-p is timed three
 ways: a sort of the vocabulary (transformers' way), ``sampler.nucleus`` at 2, 4 and 16 cuts a pass, and
@@ -78,8 +79,22 @@ def decoder_stack(policy: str, layers: int, device: torch.device, lora_dropout: 
     return (model if lora_dropout is None else model.get_base_model()).model, cfg
 
 
+def _kernels(step, top: int) -> list[dict]:
+    """The ``top`` CUDA kernels of one ``step()`` by device time: name, milliseconds, calls."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    rows = [{"name": e.key[:120], "ms": e.device_time_total / 1e3, "calls": e.count} for e in prof.key_averages()
+            if e.device_time_total > 0]
+    rows.sort(key=lambda r: -r["ms"])
+    total = sum(r["ms"] for r in rows)
+    return [{"name": "(all kernels)", "ms": total, "calls": sum(r["calls"] for r in rows)}, *rows[:top]]
+
+
 def training(args, device: torch.device) -> dict:
-    from grpo_patches import compiled_training, fused_gate_up
+    from grpo_patches import compiled_training, fused_gate_up, recompute_tail
 
     cuda = device.type == "cuda"
     inner, cfg = decoder_stack("tiny" if args.tiny else "1.5b", args.layers, device,
@@ -90,9 +105,10 @@ def training(args, device: torch.device) -> dict:
     modes = [("eager", None), *MODES.items()]
     if args.modes:
         modes = [(m, o) for m, o in modes if m in args.modes.split(",")]
-    if not args.modes or "unfused" in args.modes.split(","):
-        modes.append(("unfused", MODES["fallback_random"]))
-    fused = fused_gate_up._fused
+    for extra in ("unfused", "down-inside"):
+        if not args.modes or extra in args.modes.split(","):
+            modes.append((extra, MODES["fallback_random"]))
+    fused, down = fused_gate_up._fused, recompute_tail.down_projection
     for mode, options in modes:  # eager first: the layers are switched after it
         if options is not None:  # the kit's compiled layers, compiled anew with these inductor settings
             torch._dynamo.reset()
@@ -100,6 +116,8 @@ def training(args, device: torch.device) -> dict:
             compiled_training.enable_compiled_training(inner)
             # "unfused": the kit's settings with PEFT's own gate and up projections (no fused_gate_up)
             fused_gate_up._fused = (lambda mlp, x: None) if mode == "unfused" else fused
+            # "down-inside": the kit's settings with the down projection's base matmul inside the graph
+            recompute_tail.down_projection = (lambda d, a, h: d(h)) if mode == "down-inside" else down
 
         def step():
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
@@ -117,6 +135,10 @@ def training(args, device: torch.device) -> dict:
                      "warmup_s": first, "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}
         print(f"training {mode}: {seconds * 1e3:.1f} ms per micro-batch, {out[mode]['per_layer_ms']:.2f} ms per layer "
               f"(warm-up {first:.1f} s)", flush=True)
+        if args.kernels and cuda:
+            out[mode]["kernels"] = _kernels(step, args.kernels)
+            for row in out[mode]["kernels"]:
+                print(f"  {row['ms']:9.2f} ms {row['calls']:6d}x  {row['name']}", flush=True)
     return out
 
 
@@ -207,7 +229,9 @@ def main() -> None:
     p.add_argument("--lora-dropout", type=float, default=0.05, help="training: the LoRA dropout (0: none)")
     p.add_argument("--no-lora", action="store_true", help="training: the frozen base layers alone, no adapter")
     p.add_argument("--modes", default="", help="training: a comma list of eager,inductor,fallback_random,unfused "
-                   "(fallback_random without fused_gate_up)")
+                   "(fallback_random without fused_gate_up),down-inside (without recompute_tail)")
+    p.add_argument("--kernels", type=int, default=0, help="training, on a GPU: also list each mode's N largest CUDA "
+                   "kernels of one micro-batch")
     p.add_argument("--no-sampling", action="store_true")
     p.add_argument("--sampling-names", default="", help="sampling: time only the variants whose names hold one of "
                    "these |-separated parts")

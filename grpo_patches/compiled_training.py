@@ -80,12 +80,24 @@ def _cacheable_autograd_functions() -> Any:
     return config.patch(autograd_cache_allow_custom_autograd_functions=True)
 
 
+def _resumed_in_place() -> Any:
+    """Dynamo resumes after ``recompute_tail``'s graph break inside the MLP's frame, so a layer call is two
+    graphs (up to the down projection's base matmul, and the residual sum after it); by default the break
+    bubbles up to the layer function, which then runs four graphs, one per nested frame. A no-op where torch
+    has no such setting."""
+    import torch._dynamo.config as config
+
+    if not hasattr(config, "nested_graph_breaks"):
+        return contextlib.nullcontext()
+    return config.patch(nested_graph_breaks=True)
+
+
 def _subclass(cls: type) -> type:
     """``cls`` with a forward that takes the compiled function when autograd is on; same name, picklable
     (``swapped``)."""
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if torch.is_grad_enabled():
-            with _cacheable_autograd_functions():
+            with _cacheable_autograd_functions(), _resumed_in_place():
                 return _compiled_forward()(self, *args, **kwargs)
         return cls.forward(self, *args, **kwargs)
 

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import recompute_tail
 from .lean_lora import _lora_linear
 from .swapped import same_name_subclass
 
@@ -110,13 +111,16 @@ def _fused(mlp: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def _subclass(cls: type) -> type:
-    """``cls`` with a forward that fuses gate and up while compiling with autograd on; same name (``swapped``)."""
+    """``cls`` with a forward that, while compiling with autograd on, fuses gate and up and runs the down
+    projection's base matmul last (``recompute_tail``); same name (``swapped``)."""
     def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling() and torch.is_grad_enabled():
-            pair = _fused(self, x)
-            if pair is not None:
-                return self.down_proj(self.act_fn(pair[0]) * pair[1])
-        return cls.forward(self, x)
+        if not (torch.compiler.is_compiling() and torch.is_grad_enabled()):
+            return cls.forward(self, x)
+        pair = _fused(self, x)
+        gate, up = pair if pair is not None else (self.gate_proj(x), self.up_proj(x))
+        h = self.act_fn(gate) * up
+        adapter = _adapter(self.down_proj)
+        return self.down_proj(h) if adapter is None else recompute_tail.down_projection(self.down_proj, adapter, h)
 
     return same_name_subclass(cls, _subclass, {"forward": forward, _MARK: True})
 
