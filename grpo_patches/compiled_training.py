@@ -9,8 +9,9 @@ each launch also costs host time. Compiled
 (inductor), a layer's elementwise chains become a few fused kernels; the matmuls stay library calls.
 
 One compiled function serves every layer (the layer is an argument, so its weights are graph inputs),
-compiled with dynamic shapes: a run compiles one graph at its first training forward (and one for its
-backward), not one per layer or per sequence length. Only calls with autograd on take it (the training forward
+compiled with dynamic shapes: a run compiles its graphs at its first training forward (two, before and after
+the down projection's eager base matmul, ``recompute_tail``, and their backwards), not per layer or per sequence
+length. Only calls with autograd on take it (the training forward
 and its checkpointed recomputation): sampling and no-grad log-prob passes run the eager layer, so
 generation compiles nothing new and runs exactly as without the option.
 
@@ -21,7 +22,8 @@ kernel, and on the H200 that made the compiled layer 6% slower (30.1 against 28.
 as in eager, from the restored RNG state.
 
 Inside those layers the MLP's gate and up projections, with their adapters, run as one matmul
-(``fused_gate_up``). AOTAutograd's on-disk cache takes the graphs with that custom autograd function (it
+(``fused_gate_up``), and the down projection's base matmul last, outside the graph, where the checkpointed
+recomputation stops before it (``recompute_tail``). AOTAutograd's on-disk cache takes the graphs with that custom autograd function (it
 bypasses such graphs by default), so a later run loads the layers instead of tracing them again.
 
 What differs from stock: inductor's fused kernels round differently (fp32 intermediates between the
