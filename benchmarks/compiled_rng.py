@@ -11,7 +11,7 @@ Training: ``--layers`` Qwen2.5-1.5B-shaped decoder layers (random weights) with 
 bf16 autocast, one micro-batch of ``--micro-batch`` x ``--seq`` tokens: forward, recomputation and backward,
 per layer (``--lora-dropout``, ``--modes`` vary it; ``unfused``: the kit's settings with PEFT's own gate and up
 projections, no ``fused_gate_up``; ``down-inside``: without ``recompute_tail``; ``--kernels N``: each mode's largest
-kernels). Sampling, over ``[rows, vocab]`` bf16 logits at
+kernels; ``--saved``: what each mode's layer saves for its backward). Sampling, over ``[rows, vocab]`` bf16 logits at
 each of ``--rows`` (1024, 192 and 8): ``sampler.pick(sampler.warp(...))`` compiled as the fused decode step compiles
 it, plain (temperature 1) and with the pinned temperature 0.7 / top-p 0.9, whose top-p is timed three
 ways: a sort of the vocabulary (transformers' way), ``sampler.nucleus`` at 2, 4 and 16 cuts a pass, and
@@ -93,6 +93,30 @@ def _kernels(step, top: int) -> list[dict]:
     return [{"name": "(all kernels)", "ms": total, "calls": sum(r["calls"] for r in rows)}, *rows[:top]]
 
 
+def _saved_mib(inner, forward) -> float:
+    """MiB autograd saves per layer in one ``forward()`` without checkpointing: the unique storages its saved-tensor
+    hook sees, parameters excluded (what a checkpointed layer holds from its recomputation until its backward)."""
+    params = {p.untyped_storage().data_ptr() for p in inner.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    layers = list(inner.layers)
+    for layer in layers:
+        layer.gradient_checkpointing = False
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            forward()
+    finally:
+        for layer in layers:
+            layer.gradient_checkpointing = True
+    return sum(seen.values()) / len(layers) / 2**20
+
+
 def training(args, device: torch.device) -> dict:
     from grpo_patches import compiled_training, fused_gate_up, recompute_tail
 
@@ -135,6 +159,13 @@ def training(args, device: torch.device) -> dict:
                      "warmup_s": first, "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}
         print(f"training {mode}: {seconds * 1e3:.1f} ms per micro-batch, {out[mode]['per_layer_ms']:.2f} ms per layer "
               f"(warm-up {first:.1f} s)", flush=True)
+        if args.saved:
+            def forward():
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+                    return inner(input_ids=ids, attention_mask=mask).last_hidden_state
+
+            out[mode]["saved_mib_per_layer"] = _saved_mib(inner, forward)
+            print(f"  saved without checkpointing: {out[mode]['saved_mib_per_layer']:.1f} MiB per layer", flush=True)
         if args.kernels and cuda:
             out[mode]["kernels"] = _kernels(step, args.kernels)
             for row in out[mode]["kernels"]:
@@ -230,6 +261,8 @@ def main() -> None:
     p.add_argument("--no-lora", action="store_true", help="training: the frozen base layers alone, no adapter")
     p.add_argument("--modes", default="", help="training: a comma list of eager,inductor,fallback_random,unfused "
                    "(fallback_random without fused_gate_up),down-inside (without recompute_tail)")
+    p.add_argument("--saved", action="store_true", help="training: also the MiB autograd saves per layer in a forward "
+                   "without checkpointing (held from a layer's recomputation to its backward)")
     p.add_argument("--kernels", type=int, default=0, help="training, on a GPU: also list each mode's N largest CUDA "
                    "kernels of one micro-batch")
     p.add_argument("--no-sampling", action="store_true")
