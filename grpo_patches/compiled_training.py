@@ -23,8 +23,9 @@ as in eager, from the restored RNG state.
 
 Inside those layers the MLP's gate and up projections, with their adapters, run as one matmul
 (``fused_gate_up``), and the down projection's base matmul last, outside the graph, where the checkpointed
-recomputation stops before it (``recompute_tail``). AOTAutograd's on-disk cache takes the graphs with that custom autograd function (it
-bypasses such graphs by default), so a later run loads the layers instead of tracing them again.
+recomputation stops before it (``recompute_tail``; imported when layers are switched, as marking it for dynamo
+imports dynamo). AOTAutograd's on-disk cache takes the graphs with that custom autograd function (it bypasses
+such graphs by default), so a later run loads the layers instead of tracing them again.
 
 What differs from stock: inductor's fused kernels round differently (fp32 intermediates between the
 fused elementwise ops). Single process and DDP only: FSDP and DeepSpeed are refused when the trainer
@@ -41,7 +42,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from .fused_gate_up import enable_fused_gate_up
 from .swapped import same_name_subclass
 
 __all__ = ["check_layout", "compiled_layers", "enable_compiled_training"]
@@ -130,6 +130,9 @@ def enable_compiled_training(model: nn.Module, accelerator: Any = None) -> int:
         # which torch.utils.checkpoint refuses ("device state was initialized in the forward pass"): a model
         # trained on the CPU of a machine with a GPU. Initialized here, before any forward (no-op when done).
         torch.cuda.init()
+    # imported here: it imports dynamo (~1 s), which apply() without compile_training never needs
+    from .fused_gate_up import enable_fused_gate_up
+
     layers = _decoder_layers(model)
     for layer in layers:
         if not getattr(type(layer), _MARK, False):

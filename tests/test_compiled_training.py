@@ -152,8 +152,9 @@ def test_a_warm_start_takes_the_layers_with_the_fused_gate_up_from_aot_autograds
 
 
 def test_the_cache_setting_needs_nothing_but_torch_imported():
-    """``torch`` alone does not load its functorch settings: the switch works in a fresh interpreter with nothing
-    but torch and the kit imported."""
+    """``torch`` alone does not load its functorch settings (transformers and PEFT happen to, and so does dynamo,
+    which the kit imports only when it switches layers): the switch imports them itself, in a fresh interpreter
+    too."""
     code = ("import torch\nfrom grpo_patches.compiled_training import _cacheable_autograd_functions as switch\n"
             "with switch():\n    from torch._functorch import config\n"
             "    assert config.autograd_cache_allow_custom_autograd_functions\n"
