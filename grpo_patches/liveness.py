@@ -34,6 +34,7 @@ need not wait for it), and is named with the function it was in.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import json
@@ -112,7 +113,19 @@ class _Monitor:
         self.store_lost_since: float | None = None
         self.store_error = ""
         self._thread_store = self._main_store = None
-        threading.Thread(target=self._run, name="grpo_patches-liveness", daemon=True).start()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="grpo_patches-liveness", daemon=True)
+        self._thread.start()
+        atexit.register(self.stop)
+
+    def stop(self) -> None:
+        """End the thread and wait for a store call in flight (bounded by the store's timeout). At interpreter
+        exit, a daemon thread still inside a TCPStore call aborts the process ("terminate called without an
+        active exception", exit status -6) when it returns into the finalizing interpreter: so at exit this runs
+        first (``atexit``)."""
+        self._stopped.set()
+        if self._thread is not threading.current_thread():  # a reconnect to a dead store blocks ~2.5x its timeout
+            self._thread.join(timeout=3 * self._op_timeout().total_seconds() + self.interval)
 
     def set_timeout(self, timeout: float) -> None:
         self.timeout = timeout
@@ -120,10 +133,12 @@ class _Monitor:
         # Silence that names a peer once a connection error has said that one is gone.
         self.confirm = min(timeout, max(3 * self.interval, 1.5))
 
+    def _op_timeout(self) -> datetime.timedelta:
+        return datetime.timedelta(seconds=max(2.0, min(10.0, self.timeout / 4)))
+
     def _connect(self):
         host, port = self.address
-        op_timeout = datetime.timedelta(seconds=max(2.0, min(10.0, self.timeout / 4)))
-        client = dist.TCPStore(host, port, is_master=False, timeout=op_timeout, wait_for_workers=False)
+        client = dist.TCPStore(host, port, is_master=False, timeout=self._op_timeout(), wait_for_workers=False)
         return dist.PrefixStore(self.prefix, client)
 
     # --- the main thread: entering and leaving train() -------------------------------------------
@@ -163,8 +178,7 @@ class _Monitor:
 
     # --- the thread ---------------------------------------------------------------------------------
     def _run(self) -> None:
-        while True:
-            time.sleep(self.interval)
+        while not self._stopped.wait(self.interval):
             with self.lock:
                 if not self.armed:
                     continue

@@ -11,6 +11,9 @@ stacks of a rank that outlives its peer by 20 s; none did).
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from tests.launch import describe, run_ranks
@@ -28,3 +31,42 @@ def test_no_rank_blocks_at_exit(ending, skew):
     assert all(r.data["sum"] == [2.0] * 4 for r in results)
     # the rank that finished first waited for its peer in barrier(), then both were gone together
     assert abs(results[0].seconds - results[1].seconds) < 10, describe(results)
+
+
+_EXIT_IN_A_STORE_CALL = """
+import atexit, sys, time
+import torch.distributed as dist
+from grpo_patches import liveness
+
+server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+entered = []
+
+def tick(self):  # a heartbeat whose store call is still in flight when the interpreter exits
+    store = self._connect()
+    entered.append(1)
+    try:
+        store.wait(["never-set"])  # in C++ with the GIL released, until the store's timeout (2 s)
+    except Exception:
+        pass
+
+liveness._Monitor._tick = tick
+monitor = liveness._Monitor(0, 2, ("127.0.0.1", server.port), timeout=2.0)
+if sys.argv[1] == "unjoined":
+    atexit.unregister(monitor.stop)  # the thread as a plain daemon thread: nothing waits for it at exit
+monitor.arm()
+while not entered:
+    time.sleep(0.01)
+"""
+
+
+@pytest.mark.parametrize("kind", ["unjoined", "kit"])
+def test_exit_while_the_liveness_thread_is_in_a_store_call(kind):
+    """A daemon thread inside a TCPStore call when the interpreter exits aborts the process as it returns ("terminate
+    called without an active exception", -6: seen once at a rank's normal exit after train()); the monitor's
+    thread is stopped and waited for at exit, so the process exits 0."""
+    done = subprocess.run([sys.executable, "-c", _EXIT_IN_A_STORE_CALL, kind], capture_output=True, text=True,
+                          timeout=60, check=False)
+    if kind == "unjoined":
+        assert done.returncode == -6 and "terminate called" in done.stderr, (done.returncode, done.stderr[-800:])
+    else:
+        assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
