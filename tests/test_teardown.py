@@ -61,9 +61,9 @@ while not entered:
 
 @pytest.mark.parametrize("kind", ["unjoined", "kit"])
 def test_exit_while_the_liveness_thread_is_in_a_store_call(kind):
-    """A daemon thread inside a TCPStore call when the interpreter exits aborts the process as it returns ("terminate
-    called without an active exception", -6: seen once at a rank's normal exit after train()); the monitor's
-    thread is stopped and waited for at exit, so the process exits 0."""
+    """A daemon thread inside a TCPStore call when the interpreter exits aborts the process as it returns
+    ("terminate called without an active exception", -6), and a heartbeat begun just before train() returned can
+    still be in flight; the monitor's thread is stopped and waited for at exit, so the process exits 0."""
     done = subprocess.run([sys.executable, "-c", _EXIT_IN_A_STORE_CALL, kind], capture_output=True, text=True,
                           timeout=60, check=False)
     if kind == "unjoined":
