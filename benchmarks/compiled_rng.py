@@ -106,14 +106,15 @@ def _saved_mib(inner, forward) -> float:
         return t
 
     layers = list(inner.layers)
+    before = [layer.gradient_checkpointing for layer in layers]
     for layer in layers:
         layer.gradient_checkpointing = False
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             forward()
     finally:
-        for layer in layers:
-            layer.gradient_checkpointing = True
+        for layer, checkpointed in zip(layers, before, strict=True):
+            layer.gradient_checkpointing = checkpointed
     return sum(seen.values()) / len(layers) / 2**20
 
 
