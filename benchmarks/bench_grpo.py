@@ -39,7 +39,7 @@ and ``step_time.png``, ``phases.png``, ``memory.png``, all regenerated from ever
 counters over the run (retries after a failed allocation, cudaMalloc / cudaFree counts).
 
 Profiles of one timed method (e.g. ``training_step``) into ``BENCH_PROFILE_DIR``: ``BENCH_PROFILE=name``
-its Python call tree (cProfile), ``BENCH_KERNELS=name`` its CUDA kernels by kind and by name (the
+its Python call tree (cProfile), ``BENCH_KERNELS=name[,name]`` their CUDA kernels by kind and by name (the
 last call's, ``kernels-<name>-<variant>-rank<r>.json``), over the timed steps only (not the warm-up's
 compilation), ``BENCH_TRACE=name[,name]`` a host + device timeline of its first timed call (a gzipped Chrome
 trace, ``trace-<name>-<variant>-rank<r>.json.gz``, with Python stacks where ``BENCH_TRACE_STACK`` names it;
@@ -441,7 +441,7 @@ class StepTimer:
 
         import torch
 
-        kernels_to = (os.environ.get("BENCH_PROFILE_DIR") if os.environ.get("BENCH_KERNELS") == name
+        kernels_to = (os.environ.get("BENCH_PROFILE_DIR") if name in os.environ.get("BENCH_KERNELS", "").split(",")
                       and torch.cuda.is_available() else None)  # kernels: CUDA only
         trace_to = (os.environ.get("BENCH_PROFILE_DIR")
                     if name in os.environ.get("BENCH_TRACE", "").split(",") else None)
