@@ -31,6 +31,25 @@ SHAPES = [(896, 4864, 14, 2), (1536, 8960, 12, 2), (2048, 11008, 16, 2), (3584, 
           (1024, 2816, 16, 4), (512, 1376, 8, 8), (768, 3072, 12, 12), (1280, 3456, 20, 4), (640, 5120, 10, 2)]
 
 
+def saved_bytes(module, forward) -> int:
+    """Bytes of the unique storages autograd saves during ``forward()`` (its saved-tensor hook sees them),
+    ``module``'s parameters excluded."""
+    import torch
+
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        forward()
+    return sum(seen.values())
+
+
 def measured_layer_bytes(kind: str, hidden: int, inter: int, heads: int, kv_heads: int, dtype, autocast: bool,
                          *, dropout: float = 0.05, device: str = "cpu", batch: int = 2, seq: int = 96) -> float:
     """Bytes autograd saves per token for one decoder layer with the pinned LoRA: (3 layers - 2 layers)."""
@@ -49,22 +68,16 @@ def measured_layer_bytes(kind: str, hidden: int, inter: int, heads: int, kv_head
             base = transformers.AutoModelForCausalLM.from_config(cfg).to(dtype)
         model = peft.get_peft_model(base, lora_config(lora_dropout=dropout))
         model.train()
-        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        seen: dict[int, int] = {}
-
-        def pack(t):
-            ptr = t.untyped_storage().data_ptr()
-            if ptr not in params:
-                seen[ptr] = t.untyped_storage().nbytes()
-            return t
-
         ids = torch.randint(0, 64, (batch, seq), device=device)
         mask = torch.ones_like(ids)
         mask[0, : seq // 8] = 0  # one left-padded row, as TRL's prompts are
         ctx = torch.autocast(torch.device(device).type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
-        with ctx, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            model.base_model.model.model(input_ids=ids, attention_mask=mask)
-        return sum(seen.values())
+
+        def forward():
+            with ctx:
+                model.base_model.model.model(input_ids=ids, attention_mask=mask)
+
+        return saved_bytes(model, forward)
 
     return (saved(3) - saved(2)) / (batch * seq)
 

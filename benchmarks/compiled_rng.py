@@ -96,26 +96,18 @@ def _kernels(step, top: int) -> list[dict]:
 def _saved_mib(inner, forward) -> float:
     """MiB autograd saves per layer in one ``forward()`` without checkpointing: the unique storages its saved-tensor
     hook sees, parameters excluded (what a checkpointed layer holds from its recomputation until its backward)."""
-    params = {p.untyped_storage().data_ptr() for p in inner.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return t
+    from benchmarks.calibrate_activations import saved_bytes
 
     layers = list(inner.layers)
     before = [layer.gradient_checkpointing for layer in layers]
     for layer in layers:
         layer.gradient_checkpointing = False
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            forward()
+        saved = saved_bytes(inner, forward)
     finally:
         for layer, checkpointed in zip(layers, before, strict=True):
             layer.gradient_checkpointing = checkpointed
-    return sum(seen.values()) / len(layers) / 2**20
+    return saved / len(layers) / 2**20
 
 
 def training(args, device: torch.device) -> dict:
