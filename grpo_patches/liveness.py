@@ -119,12 +119,12 @@ class _Monitor:
         atexit.register(self.stop)
 
     def stop(self) -> None:
-        """End the thread and wait for a store call in flight (bounded by the store's timeout). At interpreter
-        exit, a daemon thread still inside a TCPStore call aborts the process ("terminate called without an
-        active exception", exit status -6) when it returns into the finalizing interpreter: so at exit this runs
-        first (``atexit``)."""
+        """End the thread and wait for a store call in flight (at most three store timeouts and an interval: a
+        reconnect to a dead store blocks ~2.5 timeouts). At interpreter exit, a daemon thread still inside a
+        TCPStore call aborts the process ("terminate called without an active exception", exit status -6) when
+        it returns into the finalizing interpreter: so at exit this runs first (``atexit``)."""
         self._stopped.set()
-        if self._thread is not threading.current_thread():  # a reconnect to a dead store blocks ~2.5x its timeout
+        if self._thread is not threading.current_thread():
             self._thread.join(timeout=3 * self._op_timeout().total_seconds() + self.interval)
 
     def set_timeout(self, timeout: float) -> None:
@@ -364,7 +364,10 @@ def _monitor_for_this_job() -> _Monitor | None:
     rank, world = dist.get_rank(), dist.get_world_size()
     if _monitor is None or (_monitor.address, _monitor.rank, _monitor.world_size) != (address, rank, world):
         if _monitor is not None:
-            _monitor.armed = False  # a re-initialized job: the old thread stays idle
+            # a re-initialized job: the old thread ends at its next wake, not waited for here (a heartbeat in
+            # flight to the old store may take its timeout); atexit joins it
+            _monitor.armed = False
+            _monitor._stopped.set()
         _monitor = _Monitor(rank, world, address, timeout)
     _monitor.set_timeout(timeout)
     return _monitor
