@@ -40,8 +40,8 @@ counters over the run (retries after a failed allocation, cudaMalloc / cudaFree 
 
 Profiles of one timed method (e.g. ``training_step``) into ``BENCH_PROFILE_DIR``: ``BENCH_PROFILE=name``
 its Python call tree (cProfile), ``BENCH_KERNELS=name[,name]`` their CUDA kernels by kind and by name (the
-last call's, ``kernels-<name>-<variant>-rank<r>.json``), over the timed steps only (not the warm-up's
-compilation), ``BENCH_TRACE=name[,name]`` a host + device timeline of its first timed call (a gzipped Chrome
+last call's, ``kernels-<name>-<variant>-rank<r>.json``; a call inside another profiled one, such as sampling
+inside a training step, runs unprofiled), ``BENCH_TRACE=name[,name]`` a host + device timeline of its first timed call (a gzipped Chrome
 trace, ``trace-<name>-<variant>-rank<r>.json.gz``, with Python stacks where ``BENCH_TRACE_STACK`` names it;
 open it in Perfetto; a training step's is one after that step's sampling; ``benchmarks/trace_gaps.py`` lists its
 device idle gaps). All three slow the profiled calls: profile in a run of its own, not in the one whose step times
@@ -479,12 +479,16 @@ class StepTimer:
                 _TRACING.clear()
                 prof.export_chrome_trace(str(raw))
                 subprocess.run(["gzip", "-f", str(raw)], check=False)
-            elif kernels_to:  # the device kernels of each call; the last call's table is kept
+            elif kernels_to and not _TRACING:  # the device kernels of each call; the last call's table is kept
                 from torch.profiler import ProfilerActivity, profile
 
-                with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                    out = original(*a, **kw)
-                    timer.sync()
+                _TRACING.append(name)  # a call inside this one (sampling inside a training step) runs unprofiled
+                try:
+                    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                        out = original(*a, **kw)
+                        timer.sync()
+                finally:
+                    _TRACING.clear()
                 Path(kernels_to).mkdir(parents=True, exist_ok=True)
                 (Path(kernels_to) / f"kernels-{name}-{timer.label.replace('#', '_')}-rank{timer.rank}.json").write_text(
                     json.dumps(kernel_table(prof.events(), 1), indent=2))

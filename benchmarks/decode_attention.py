@@ -40,7 +40,7 @@ from grpo_patches.generation import decode_attention as attn  # noqa: E402
 from grpo_patches.generation.fused import attention_bias, matmul_attention  # noqa: E402
 
 ITERS = 200  # graph replays per timing
-CONFIGS = ((64, 4), (128, 4), (64, 8), (32, 4))  # kernel (block_l, num_warps)
+CONFIGS = ((64, 4, 0), (128, 4, 0), (64, 8, 0), (32, 4, 0))  # kernel (block_l, num_warps, num_stages; 0: Triton's)
 
 
 def reference(q, keys, values, key_mask, cache_position, scale):
@@ -132,13 +132,15 @@ def average_over(prompt: int, new: int, points: dict[int, float]) -> float:
     return sum(at(p) for p in range(prompt, prompt + new)) / new
 
 
-def bench(device: str, tiny: bool) -> dict:
+def bench(device: str, tiny: bool, configs: tuple = CONFIGS, batches: tuple = (8, 64, 192, 1024),
+          prompt: int = 64) -> dict:
     if tiny:
         batches, layers, (heads, kv_heads, dim), length, prompt, new = (2, 4), 2, (4, 2, 16), 48, 8, 32
-        dtype, timer, configs, compiled = torch.float32, eager_ms, CONFIGS[:2], reference
+        dtype, timer, configs, compiled = torch.float32, eager_ms, configs[:2], reference
     else:
-        batches, layers, (heads, kv_heads, dim), length, prompt, new = (8, 64, 192, 1024), 28, (12, 2, 128), 384, 64, 256
-        dtype, timer, configs = torch.bfloat16, graph_ms, CONFIGS
+        layers, (heads, kv_heads, dim), new = 28, (12, 2, 128), 256
+        length = prompt + 256 + 64  # the bucketed static cache: 384 slots for 64-token prompts
+        dtype, timer = torch.bfloat16, graph_ms
         compiled = torch.compile(reference, dynamic=False)
     positions = (prompt + new // 16, prompt + new // 2, prompt + new - 1)
     rows, summary = [], []
@@ -151,9 +153,11 @@ def bench(device: str, tiny: bool) -> dict:
                 args[4].fill_(pos)
             row = {"batch": batch, "cache_slots": length, "position": pos}
             row["matmul_ms"] = timer([lambda a=a: compiled(*a) for a in caches])
-            for block, warps in configs:
-                row[f"kernel_b{block}_w{warps}_ms"] = timer(
-                    [lambda a=a, bl=block, w=warps: attn.decode_attention(*a, block_l=bl, num_warps=w) for a in caches])
+            for block, warps, stages in configs:
+                row[f"kernel_b{block}_w{warps}" + (f"_s{stages}" if stages else "") + "_ms"] = timer(
+                    [lambda a=a, bl=block, w=warps, st=stages: attn.decode_attention(*a, block_l=bl, num_warps=w,
+                                                                                     num_stages=st)
+                     for a in caches])
             for key, value in row.items():
                 if key.endswith("_ms"):
                     times.setdefault(key, {})[pos] = value
@@ -181,6 +185,10 @@ def main() -> int:
     p.add_argument("--bench", action="store_true", help="ms per 28 layers in one CUDA graph (GPU)")
     p.add_argument("--tiny", action="store_true", help="small shapes on CPU, the kernel in Triton's interpreter")
     p.add_argument("--out", help="write the results here (JSON)")
+    p.add_argument("--configs", default=",".join("x".join(map(str, c)) for c in CONFIGS),
+                   help="kernel configs BLOCK_LxNUM_WARPSxNUM_STAGES (0 stages: Triton's default), comma list")
+    p.add_argument("--batches", default="8,64,192,1024", help="GPU batches, comma list")
+    p.add_argument("--prompt", type=int, default=64, help="GPU: prompt tokens before the 256 new ones")
     args = p.parse_args()
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
     if not attn.available():
@@ -201,7 +209,9 @@ def main() -> int:
         if device == "cpu" and not args.tiny:
             print("--bench needs CUDA (--tiny runs its code on CPU)")
         else:
-            result["bench"] = bench(device, args.tiny)
+            configs = tuple(tuple(int(x) for x in (c.split("x") + ["0"])[:3]) for c in args.configs.split(","))
+            result["bench"] = bench(device, args.tiny, configs, tuple(int(b) for b in args.batches.split(",")),
+                                    args.prompt)
     result["seconds"] = round(time.perf_counter() - started, 1)
     print(f"done in {result['seconds']} s", flush=True)
     if args.out:

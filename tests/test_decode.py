@@ -51,6 +51,27 @@ def test_graph_loop_greedy_equals_eager_generate_with_eos_pads_and_trim():
     assert counting.runs >= 4 * 3, "the decode steps ran compiled"
 
 
+def test_graph_loop_prefill_computes_the_last_logits_with_one_plain_matmul():
+    """transformers' ``logits_to_keep=1`` hands the LM head a strided ``[B, 1, H]`` slice, which the head runs as a
+    batched matmul over an expanded weight (every row reads the whole head: 155 ms at 1024 rows of a 152k vocabulary
+    on an H100); the prefill asks for the last position by index, so the head is one ``mm`` over the rows."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model = lora_policy()
+    vocab = model.config.vocab_size
+    ids, mask = batch([5, 9, 7, 3])
+    config = graph_config(Counting())
+    fast_generate(model, ids, mask, generation_config=greedy(new=3), config=config)  # compiled and warm
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        out = fast_generate(model, ids, mask, generation_config=greedy(new=3), config=config)
+    assert torch.equal(out, eager_generate(model, ids, mask)[:, :ids.shape[1] + 3])
+    heads = [(e.name, e.input_shapes) for e in prof.events()
+             if e.name in ("aten::mm", "aten::bmm", "aten::addmm") and e.input_shapes and e.input_shapes[-1]
+             and e.input_shapes[-1][-1] == vocab]
+    assert heads and all(name != "aten::bmm" for name, _ in heads), heads
+    assert ("aten::mm", [[4, model.config.hidden_size], [model.config.hidden_size, vocab]]) in heads, heads
+
+
 def test_graph_loop_no_recompilation_across_prompt_lengths_in_a_bucket():
     model = lora_policy()
     counting = Counting()

@@ -181,7 +181,10 @@ def _prefill(model: nn.Module, cache: Any, input_ids: torch.Tensor, attention_ma
     mask[:, :prompt] = attention_mask
     positions = attention_mask.long().cumsum(-1) - 1
     positions = positions.masked_fill(attention_mask == 0, 1)
-    extra = {"logits_to_keep": 1} if _forward_kwargs(model) else {}
+    # the last position as an index tensor, not ``1``: transformers slices ``hidden[:, -1:, :]``, a strided view
+    # that the LM head's matmul runs as a batched one, every row reading the whole head weight (155 ms at 1024
+    # rows of a 152k vocabulary on an H100, against 0.7 ms); an index tensor gathers a contiguous copy instead
+    extra = {"logits_to_keep": torch.tensor([prompt - 1], device=device)} if _forward_kwargs(model) else {}
     logits = model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
                    cache_position=torch.arange(prompt, device=device), past_key_values=cache, use_cache=True,
                    **extra).logits[:, -1, :]

@@ -116,7 +116,7 @@ def _kernel():
 
 
 def _launch(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_mask: torch.Tensor,
-            cache_position: torch.Tensor, scale: float, block_l: int, num_warps: int) -> torch.Tensor:
+            cache_position: torch.Tensor, scale: float, block_l: int, num_warps: int, num_stages: int = 0) -> torch.Tensor:
     if q.device.type == "cpu" and not interpreted():
         raise RuntimeError("decode_attention: CPU tensors run in Triton's interpreter only (TRITON_INTERPRET=1 "
                            "set before Triton is imported)")
@@ -137,7 +137,8 @@ def _launch(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_mask:
         values.stride(2), key_mask.stride(0), out.stride(0),
         GROUPS=groups, D=dim, D_PAD=max(16, 1 << (dim - 1).bit_length()), BLOCK_L=block_l,
         GROUP_PAD=max(GROUP_PAD, 1 << (groups - 1).bit_length()),
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps)
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps,
+        **({"num_stages": num_stages} if num_stages else {}))  # 0: Triton's default
     return out
 
 
@@ -147,11 +148,11 @@ def _op():
 
     @torch.library.custom_op(f"{_NAMESPACE}::decode_attention", mutates_args=())
     def op(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_mask: torch.Tensor,
-           cache_position: torch.Tensor, scale: float, block_l: int, num_warps: int) -> torch.Tensor:
-        return _launch(q, keys, values, key_mask, cache_position, scale, block_l, num_warps)
+           cache_position: torch.Tensor, scale: float, block_l: int, num_warps: int, num_stages: int) -> torch.Tensor:
+        return _launch(q, keys, values, key_mask, cache_position, scale, block_l, num_warps, num_stages)
 
     @op.register_fake
-    def _(q, keys, values, key_mask, cache_position, scale, block_l, num_warps):
+    def _(q, keys, values, key_mask, cache_position, scale, block_l, num_warps, num_stages):
         return q.new_empty(q.shape)
 
     global _OP
@@ -164,7 +165,7 @@ _OP = None  # the registered op (set by _op(): the compiled step reads this glob
 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_mask: torch.Tensor,
                      cache_position: torch.Tensor, scale: float, block_l: int = 64,
-                     num_warps: int = 4) -> torch.Tensor:
+                     num_warps: int = 4, num_stages: int = 0) -> torch.Tensor:
     """Attention of one new token per row over the static cache, slots ``0 .. cache_position`` only.
 
     ``q``: ``[B, heads * D]`` (or any shape of ``B`` rows in that order, e.g. the fused step's
@@ -175,4 +176,4 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     """
     q = q.reshape(q.shape[0], -1)
     op = _OP if _OP is not None else _op()
-    return op(q, keys, values, key_mask, cache_position, float(scale), int(block_l), int(num_warps))
+    return op(q, keys, values, key_mask, cache_position, float(scale), int(block_l), int(num_warps), int(num_stages))
