@@ -1,0 +1,73 @@
+"""The reward model's forward eager against ``torch.compile(dynamic=True)`` (GPU): what compiling it would save.
+
+The 0.5B reward model of ``bench_grpo.py`` (Qwen2ForSequenceClassification, random weights, bf16) scores 8
+chunks of 128 right-padded rows of 280..287 tokens (the kit's ``REWARD_MODEL_ROWS`` chunks of the 1.5B grid
+row's 1024 completions), under ``inference_mode``. Prints the eager time of the 8 chunks, the compiled one's
+first call (compilation) and time, and the largest score difference.
+
+    python benchmarks/reward_model_compile.py
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def ms(fn, reps: int = 3) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / reps * 1e3
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("needs CUDA")
+        return 1
+    import bench_grpo
+    from transformers import AutoModelForSequenceClassification
+
+    torch.manual_seed(1)
+    with torch.device("cuda"):
+        model = AutoModelForSequenceClassification.from_config(
+            bench_grpo.model_config("0.5b", num_labels=1), dtype=torch.bfloat16).eval()
+    g = torch.Generator().manual_seed(0)
+    chunks = []
+    for i in range(8):
+        width = 280 + i
+        ids = torch.randint(3, 151936, (128, width), generator=g)
+        lengths = torch.randint(width - 40, width + 1, (128,), generator=g)
+        lengths[0] = width
+        mask = (torch.arange(width)[None] < lengths[:, None]).long()
+        chunks.append((ids.masked_fill(mask == 0, 0).cuda(), mask.cuda()))
+
+    def run(forward):
+        with torch.inference_mode():
+            return [forward(input_ids=ids, attention_mask=mask).logits[:, 0] for ids, mask in chunks]
+
+    print(f"[rm] {torch.cuda.get_device_name()}: eager 8 chunks {ms(lambda: run(model)):.1f} ms", flush=True)
+    reference = run(model)
+    compiled = torch.compile(model, dynamic=True)
+    start = time.perf_counter()
+    run(compiled)
+    torch.cuda.synchronize()
+    first = time.perf_counter() - start
+    took = ms(lambda: run(compiled))
+    diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(run(compiled), reference, strict=True))
+    scale = max(b.float().abs().max().item() for b in reference)
+    print(f"[rm] compiled dynamic: first {first:.1f}s, 8 chunks {took:.1f} ms, max|diff| {diff:.3g} "
+          f"(largest |score| {scale:.3g})", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
