@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 
 def ms(fn, reps: int = 5) -> float:
+    """Milliseconds per call of ``fn`` after one warm call, the device synchronized around the timed calls."""
     fn()
     torch.cuda.synchronize()
     start = time.perf_counter()

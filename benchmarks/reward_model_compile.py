@@ -18,15 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-
-def ms(fn, reps: int = 3) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / reps * 1e3
+from lm_head_slice import ms  # noqa: E402  (CUDA-synchronized ms per call)
 
 
 def main() -> int:
@@ -54,14 +46,14 @@ def main() -> int:
         with torch.inference_mode():
             return [forward(input_ids=ids, attention_mask=mask).logits[:, 0] for ids, mask in chunks]
 
-    print(f"[rm] {torch.cuda.get_device_name()}: eager 8 chunks {ms(lambda: run(model)):.1f} ms", flush=True)
+    print(f"[rm] {torch.cuda.get_device_name()}: eager 8 chunks {ms(lambda: run(model), 3):.1f} ms", flush=True)
     reference = run(model)
     compiled = torch.compile(model, dynamic=True)
     start = time.perf_counter()
     run(compiled)
     torch.cuda.synchronize()
     first = time.perf_counter() - start
-    took = ms(lambda: run(compiled))
+    took = ms(lambda: run(compiled), 3)
     diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(run(compiled), reference, strict=True))
     scale = max(b.float().abs().max().item() for b in reference)
     print(f"[rm] compiled dynamic: first {first:.1f}s, 8 chunks {took:.1f} ms, max|diff| {diff:.3g} "
