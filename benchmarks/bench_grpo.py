@@ -41,10 +41,10 @@ counters over the run (retries after a failed allocation, cudaMalloc / cudaFree 
 Profiles of one timed method (e.g. ``training_step``) into ``BENCH_PROFILE_DIR``: ``BENCH_PROFILE=name``
 its Python call tree (cProfile), ``BENCH_KERNELS=name[,name]`` their CUDA kernels by kind and by name (the
 last call's, ``kernels-<name>-<variant>-rank<r>.json``; a call inside another profiled one, such as sampling
-inside a training step, runs unprofiled), ``BENCH_TRACE=name[,name]`` a host + device timeline of its first timed call (a gzipped Chrome
-trace, ``trace-<name>-<variant>-rank<r>.json.gz``, with Python stacks where ``BENCH_TRACE_STACK`` names it;
-open it in Perfetto; a training step's is one after that step's sampling; ``benchmarks/trace_gaps.py`` lists its
-device idle gaps). All three slow the profiled calls: profile in a run of its own, not in the one whose step times
+inside a training step, runs unprofiled), ``BENCH_TRACE=name[,name]`` a host + device timeline of its first
+timed call (a gzipped Chrome trace, ``trace-<name>-<variant>-rank<r>.json.gz``, with Python stacks where
+``BENCH_TRACE_STACK`` names it; open it in Perfetto; a training step's is one after that step's sampling;
+``benchmarks/trace_gaps.py`` lists its device idle gaps). All three slow the profiled calls: profile in a run of its own, not in the one whose step times
 are reported. ``BENCH_REWARD_MODEL_ROWS=n`` sets the kit's reward-model forward size (``rewards.REWARD_MODEL_ROWS``;
 0: one forward per batch, as stock) for an A/B, ``BENCH_PICK=gumbel`` the fast generation's Gumbel-max pick in place
 of its inverse-CDF sample, ``BENCH_FUSED_GATE_UP=0`` the compiled layers with PEFT's own gate and up projections,

@@ -173,6 +173,8 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     nonzero where a slot holds a real token of the row; ``cache_position``: ``[1]`` integer, the new
     token's slot. Query head ``j`` reads K/V head ``j // (heads / kv_heads)``. Returns ``[B, heads * D]``
     in ``q``'s dtype: ``softmax(q k^T * scale)`` in fp32, cast to the value dtype, times ``v``.
+    ``block_l``, ``num_warps``, ``num_stages`` (0: Triton's default): the launch's settings, which
+    ``benchmarks/decode_attention.py --configs`` times.
     """
     q = q.reshape(q.shape[0], -1)
     op = _OP if _OP is not None else _op()
