@@ -380,7 +380,7 @@ def rule_reward(completions, **kwargs):
 # ----------------------------------------------------------------------------------------- timing
 
 
-_TRACING: list[str] = []  # the method whose trace is being recorded (torch.profiler does not nest)
+_TRACING: list[str] = []  # the method whose trace or kernel table is being recorded (torch.profiler does not nest)
 
 
 class StepTimer:

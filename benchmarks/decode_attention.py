@@ -139,7 +139,7 @@ def bench(device: str, tiny: bool, configs: tuple = CONFIGS, batches: tuple = (8
         dtype, timer, configs, compiled = torch.float32, eager_ms, configs[:2], reference
     else:
         layers, (heads, kv_heads, dim), new = 28, (12, 2, 128), 256
-        length = prompt + 256 + 64  # the bucketed static cache: 384 slots for 64-token prompts
+        length = prompt + new + 64  # the bucketed static cache: 384 slots for 64-token prompts
         dtype, timer = torch.bfloat16, graph_ms
         compiled = torch.compile(reference, dynamic=False)
     positions = (prompt + new // 16, prompt + new // 2, prompt + new - 1)
