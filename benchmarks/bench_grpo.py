@@ -119,8 +119,10 @@ VARIANTS: dict[str, tuple[dict[str, Any] | None, dict[str, Any]]] = {
                                 "compile_training": True}, {}),
     "patched-graph-lean-kg-compiled": ({"reward_placement": "local", "fast_generation": {
         "decode_loop": "graph", "keep_graph": True}, "lean_lora": True, "compile_training": True}, {}),
-    # apply(speed=True): fast_generation + lean_lora + compile_training, each at its defaults
+    # apply(speed=True): fast_generation + lean_lora + compile_training + compile_reward_models, each at its defaults
     "patched-speed": ({"reward_placement": "local", "speed": True}, {}),
+    # the same with the reward model scoring eagerly, as stock
+    "patched-speed-eager-rm": ({"reward_placement": "local", "speed": True, "compile_reward_models": False}, {}),
     # the same capturing one decode step per CUDA graph (replayed check_every times between host checks)
     "patched-speed-g1": ({"reward_placement": "local", "speed": True, "fast_generation": {"graph_steps": 1}}, {}),
     # the same with the fused step's attention as matmuls over the whole static cache (no Triton kernel)

@@ -44,7 +44,7 @@ from torch import nn
 
 from .swapped import same_name_subclass
 
-__all__ = ["check_layout", "compiled_layers", "enable_compiled_training"]
+__all__ = ["check_layout", "compiled_layers", "decoder_layers", "enable_compiled_training"]
 
 _MARK = "_grpo_compiled_training"  # class attribute of the compiled subclasses
 _OPTIONS = {"fallback_random": True}  # inductor settings of the compiled layers: ATen's generator (see above)
@@ -106,7 +106,7 @@ def _subclass(cls: type) -> type:
     return same_name_subclass(cls, _subclass, {"forward": forward, _MARK: True})
 
 
-def _decoder_layers(model: nn.Module) -> list[nn.Module]:
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The repeated blocks transformers' models in ``model`` name in ``_no_split_modules`` (their decoder
     layers), whatever wraps them (PEFT, DDP). The compiled subclasses keep those names."""
     modules = list(model.modules())
@@ -133,7 +133,7 @@ def enable_compiled_training(model: nn.Module, accelerator: Any = None) -> int:
     # imported here: it imports dynamo (~1 s), which apply() without compile_training never needs
     from .fused_gate_up import enable_fused_gate_up
 
-    layers = _decoder_layers(model)
+    layers = decoder_layers(model)
     for layer in layers:
         if not getattr(type(layer), _MARK, False):
             layer.__class__ = _subclass(type(layer))
@@ -145,10 +145,10 @@ def enable_compiled_training(model: nn.Module, accelerator: Any = None) -> int:
     return len(layers)
 
 
-def check_layout(accelerator: Any) -> None:
-    """Refuse ``compile_training=True`` under FSDP or DeepSpeed (not tested there: their parameter
+def check_layout(accelerator: Any, option: str = "compile_training") -> None:
+    """Refuse ``option=True`` (a compiling option) under FSDP or DeepSpeed (not tested there: their parameter
     gathering runs around each layer's forward)."""
     kind = str(getattr(accelerator, "distributed_type", "")).rsplit(".", 1)[-1]
     if kind in ("FSDP", "DEEPSPEED"):
-        raise ValueError(f"grpo_patches: compile_training=True runs on one process or under DDP; this trainer runs "
-                         f"under {kind}. Drop compile_training (apply(compile_training=False)) or train under DDP.")
+        raise ValueError(f"grpo_patches: {option}=True runs on one process or under DDP; this trainer runs "
+                         f"under {kind}. Drop {option} (apply({option}=False)) or train under DDP.")

@@ -15,7 +15,7 @@ __all__ = ["MAX_REWARD_TIMEOUT", "SPEED_OPTIONS", "PatchOptions", "resolve_speed
 MAX_REWARD_TIMEOUT = 86400.0  # one day: longer is a hang by any measure (and overflows timers past ~1e9 s)
 
 #: What ``apply(speed=True)`` turns on: the GPU path measured fastest at every batch tried (docs/performance.md).
-SPEED_OPTIONS = ("fast_generation", "lean_lora", "compile_training")
+SPEED_OPTIONS = ("fast_generation", "lean_lora", "compile_training", "compile_reward_models")
 
 
 def _plain(value: Any) -> Any:
@@ -33,7 +33,7 @@ def _plain(value: Any) -> Any:
 
 
 def resolve_speed(speed: bool, **given: Any) -> dict[str, Any]:
-    """The three speed options after the ``speed`` switch: one given (not ``None``) wins, ``None`` follows it.
+    """The speed options after the ``speed`` switch: one given (not ``None``) wins, ``None`` follows it.
 
     Refused here, naming the option, where the switch would turn on one that cannot apply, so a user
     learns which one to pass as ``False`` rather than getting a speed path with a piece silently missing.
@@ -45,15 +45,15 @@ def resolve_speed(speed: bool, **given: Any) -> dict[str, Any]:
             f"grpo_patches.apply: speed={speed!r} must be True ({', '.join(SPEED_OPTIONS)} on, each still "
             f"overridable) or False (each as given, off by default)."
         )
-    out = {name: (speed if given[name] is None else given[name]) for name in SPEED_OPTIONS}
-    if speed and given["lean_lora"] is None:
+    out = {name: (speed if given.get(name) is None else given[name]) for name in SPEED_OPTIONS}
+    if speed and given.get("lean_lora") is None:
         from .lean_lora import check_supported
 
         try:
             check_supported()
         except ValueError as exc:
             raise ValueError(f"grpo_patches.apply: speed=True turns on lean_lora, which cannot apply here: {exc} "
-                             f"Pass lean_lora=False to keep fast_generation and compile_training.") from exc
+                             f"Pass lean_lora=False to keep the others.") from exc
     return out
 
 
@@ -67,11 +67,13 @@ class PatchOptions:
     lean_lora: bool = False
     compile_training: bool = False
     reward_failure: str = "raise"
+    compile_reward_models: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("reward_chunk_size", "reward_timeout", "strict", "lean_lora", "compile_training"):
+        for name in ("reward_chunk_size", "reward_timeout", "strict", "lean_lora", "compile_training",
+                     "compile_reward_models"):
             object.__setattr__(self, name, _plain(getattr(self, name)))
-        for name in ("lean_lora", "compile_training"):  # None: not given (a fork's config default), so off
+        for name in ("lean_lora", "compile_training", "compile_reward_models"):  # None: not given (a fork's config default), so off
             if getattr(self, name) is None:
                 object.__setattr__(self, name, False)
         if self.reward_placement not in PLACEMENTS:
@@ -117,6 +119,11 @@ class PatchOptions:
             raise TypeError(
                 f"grpo_patches.apply: compile_training={self.compile_training!r} must be True (the policy's decoder "
                 f"layers compiled for the training forward and backward) or False (eager, as stock)."
+            )
+        if not isinstance(self.compile_reward_models, bool):
+            raise TypeError(
+                f"grpo_patches.apply: compile_reward_models={self.compile_reward_models!r} must be True (the reward "
+                f"models' decoder layers compiled for scoring) or False (eager, as stock)."
             )
 
     @property

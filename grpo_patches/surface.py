@@ -66,11 +66,19 @@ OPTIONS: tuple[Option, ...] = (
            "the policy's decoder layers run compiled (inductor) whenever autograd is on, eager otherwise "
            "(sampling); not bit-identical to eager; the first steps compile. One process or DDP. ``None`` or "
            "``False``: off."),
+    Option("compile_reward_models", None, "bool | None",
+           "the reward models' decoder layers run compiled (inductor) when they score (no autograd), one graph "
+           "for every layer and length; their ``config.use_cache`` is set to ``False``. Fewer, fused kernels; "
+           "scores not bit-identical to eager (rounding); the first scoring compiles. One process or DDP. "
+           "``None``: as ``speed``.",
+           "the reward models' decoder layers run compiled (inductor) when they score; scores not bit-identical "
+           "to eager; the first scoring compiles. One process or DDP. ``None`` or ``False``: off."),
     Option("speed", False, "bool",
-           "the GPU path measured fastest at every batch tried: ``fast_generation``, ``lean_lora`` and "
-           "``compile_training`` on, each still set by its own option when given (``speed=True, "
-           "compile_training=False`` keeps stock's training numerics). Refused, naming the option, where one "
-           "of them cannot apply. Off by default: it changes what is sampled and the training numerics."),
+           "the GPU path measured fastest at every batch tried: ``fast_generation``, ``lean_lora``, "
+           "``compile_training`` and ``compile_reward_models`` on, each still set by its own option when given "
+           "(``speed=True, compile_training=False`` keeps stock's training numerics). Refused, naming the "
+           "option, where one of them cannot apply. Off by default: it changes what is sampled and the "
+           "training numerics."),
     Option("targets", ("trl", "vendored"), "tuple[str, ...]",
            'which trainers to patch: ``"trl"`` (``trl.GRPOTrainer``) and/or ``"vendored"`` (the vendored '
            "DeepSeekMath-style trainer). Both by default, and then only if the installed TRL is patched; "

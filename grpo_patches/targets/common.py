@@ -15,6 +15,7 @@ from typing import Any
 from torch import nn
 
 from ..collectives import FailFastGroup
+from ..compiled_reward_models import enable_compiled_reward_models
 from ..compiled_training import enable_compiled_training
 from ..generation import FAST_GEN_ATTR, FastGenerationState
 from ..lean_lora import enable_lean_lora
@@ -41,7 +42,8 @@ def attach(trainer: Any, options: PatchOptions, *,
            fast_generation: Callable[[Any, Any], Any] = _fast_generation_state) -> None:
     """Once the trainer is built: its options and fail-fast group (the mark every other wrapper
     reads), then the opt-in switches on its policy (``trainer.model``): fast generation
-    (``fast_generation(trainer, config)``: the adapter's way in), lean LoRA, compiled training."""
+    (``fast_generation(trainer, config)``: the adapter's way in), lean LoRA, compiled training; and on its
+    reward models (``trainer.reward_funcs``) compiled scoring."""
     setattr(trainer, STATE_ATTR, TrainerPatchState(options, FailFastGroup(options.collective_timeout)))
     if options.fast_generation is not None:
         fast_generation(trainer, options.fast_generation)
@@ -49,6 +51,8 @@ def attach(trainer: Any, options: PatchOptions, *,
         enable_lean_lora(trainer.model)
     if options.compile_training:
         enable_compiled_training(trainer.model, trainer.accelerator)
+    if options.compile_reward_models:
+        enable_compiled_reward_models(trainer.reward_funcs, trainer.accelerator)
 
 
 def _placeholder(name: str, index: int) -> Callable:
