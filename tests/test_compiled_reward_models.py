@@ -52,6 +52,11 @@ def test_compiled_scoring_gives_eagers_scores_with_one_graph_for_every_layer_bat
         if n == 0:
             assert graphs() == before + 1, "one graph for both layers"
     assert graphs() == before + 1, "no graph per layer, batch size or length"
+    for length in (10, 12):  # no row padded: transformers passes no attention mask, one more graph for those
+        inputs = {"input_ids": batch(5, length, length)["input_ids"].clamp(min=4)}
+        with torch.inference_mode():
+            torch.testing.assert_close(compiled(**inputs).logits, eager(**inputs).logits, rtol=1e-5, atol=1e-6)
+    assert graphs() == before + 2
 
 
 def test_autograd_on_runs_the_eager_layer_and_compiles_nothing():
