@@ -107,7 +107,7 @@ def _doctor(args: argparse.Namespace) -> int:
     for flag in ("plan", "tune"):
         if getattr(args, flag) and args.gpu_memory_gb is None:
             raise ValueError(f"--{flag} needs --gpu-memory-gb (memory per GPU in GiB).")
-    if args.speed:  # apply(speed=True)'s three options
+    if args.speed:  # apply(speed=True)'s options that change the memory counted (not compile_reward_models)
         args.fast_generation = args.lean_lora = args.compile_training = True
     from grpo_patches.defaults import lora_config
     from grpo_patches.preflight import RewardModelSpec, preflight
