@@ -43,10 +43,14 @@ def test_gpu_fused_loop_is_one_cuda_graph_per_check_every_tokens_captured_once_a
     # the default: the graph goes with the cache
     dropped = FastGenerationConfig(decode_loop="graph", check_every=4, decode_attention=attention,
                                    graph_steps=graph_steps)
-    for expected in (1, 2):  # the first still replays the kept graph, then frees it; the second captures anew
+    allocated = []
+    for expected in (1, 2, 3, 4):  # the first still replays the kept graph, then frees it; then a capture each
         assert torch.equal(fast_generate(model, ids, mask, generation_config=greedy(), config=dropped),
                            eager_generate(model, ids, mask))
         assert stats.captures == captures0 + expected and not generation._MERGED[model].chunks
+        allocated.append(torch.cuda.memory_allocated())
+    # a capture per call holds nothing after it (a new side stream each held its cuBLAS workspace: +33 MiB a call)
+    assert allocated[1] == allocated[2] == allocated[3], allocated
 
 
 def test_capture_keeps_the_allocator_cache_unless_short_of_room_and_tries_once_more_after_running_out(monkeypatch):
@@ -67,11 +71,20 @@ def test_capture_keeps_the_allocator_cache_unless_short_of_room_and_tries_once_m
         def capture_end(self):
             log.append("end")
 
+    streams = []
+
     class Stream:
+        def __init__(self):
+            streams.append(self)
+
         def wait_stream(self, other):
             pass
 
-    for name, value in {"Stream": Stream, "current_stream": Stream, "stream": lambda s: nullcontext(),
+    monkeypatch.setattr(fused_loop, "_SIDE", {})
+    current = Stream()  # the current stream's stand-in; every other Stream() is a side stream
+    streams.clear()
+    for name, value in {"Stream": Stream, "current_stream": lambda: current, "stream": lambda s: nullcontext(),
+                        "current_device": lambda: 0,
                         "synchronize": lambda: None, "CUDAGraph": Graph, "memory_reserved": lambda: reserved[0],
                         "empty_cache": lambda: log.append("empty_cache"), "mem_get_info": lambda: (free[0], 10_000),
                         "get_per_process_memory_fraction": lambda: fraction[0]}.items():
@@ -106,6 +119,8 @@ def test_capture_keeps_the_allocator_cache_unless_short_of_room_and_tries_once_m
     with pytest.raises(torch.cuda.OutOfMemoryError):
         capture(0)
     assert log == ["begin", "end", "empty_cache", "begin", "end"]
+    # one side stream for every capture: PyTorch keeps a cuBLAS workspace per stream until the process ends
+    assert streams == [fused_loop._SIDE[0]] and len(fused_loop._SIDE) == 1, "nine captures, one side stream"
 
 
 @gpu
