@@ -9,8 +9,9 @@ kernels; the matmuls and attention stay library calls.
 As ``compile_training`` does for the policy, one compiled function serves every layer of every reward model
 (the layer is an argument, its weights graph inputs), with dynamic shapes: one graph for all layers, batch
 sizes and sequence lengths, compiled at the first scoring. The models' ``config.use_cache`` is set to
-``False``: a classifier's forward would fill a KV cache that nothing reads (the scores are the same). Only calls without autograd take it (TRL and the
-vendored trainer score under ``inference_mode`` / ``no_grad``); a call with autograd on runs the eager layer.
+``False``: a classifier's forward would fill a KV cache that nothing reads (the scores are the same). Only
+calls without autograd take it (TRL and the vendored trainer score under ``inference_mode`` / ``no_grad``);
+a call with autograd on runs the eager layer.
 
 What differs from stock: inductor's fused kernels round differently (fp32 intermediates between the fused
 ops), so the scores differ in their last bf16 bits. Single process and DDP only: FSDP and DeepSpeed, whose

@@ -73,7 +73,8 @@ class PatchOptions:
         for name in ("reward_chunk_size", "reward_timeout", "strict", "lean_lora", "compile_training",
                      "compile_reward_models"):
             object.__setattr__(self, name, _plain(getattr(self, name)))
-        for name in ("lean_lora", "compile_training", "compile_reward_models"):  # None: not given (a fork's config default), so off
+        # None: not given (a fork's config default), so off
+        for name in ("lean_lora", "compile_training", "compile_reward_models"):
             if getattr(self, name) is None:
                 object.__setattr__(self, name, False)
         if self.reward_placement not in PLACEMENTS:
