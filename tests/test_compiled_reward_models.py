@@ -18,6 +18,7 @@ import grpo_patches
 from grpo_patches import compiled_reward_models
 from grpo_patches.compiled_reward_models import enable_compiled_reward_models, scoring_layers
 from tests.helpers import grpo_args, target_share, tiny_policy, tiny_reward_model, tiny_tokenizer
+from tests.test_compiled_training import Accelerator, count_compiled_calls
 
 
 def graphs() -> int:
@@ -83,13 +84,6 @@ def test_the_option_must_be_a_bool_and_fsdp_or_deepspeed_are_refused_naming_it()
     with pytest.raises(TypeError, match="compile_reward_models='yes'"):
         grpo_patches.apply(compile_reward_models="yes")
     assert not grpo_patches.is_applied()
-
-    class Accelerator:
-        def __init__(self, kind):
-            from accelerate.utils import DistributedType
-
-            self.distributed_type = getattr(DistributedType, kind)
-
     for kind in ("FSDP", "DEEPSPEED"):
         with pytest.raises(ValueError, match=f"under {kind}.*Drop compile_reward_models"):
             enable_compiled_reward_models([tiny_reward_model()], Accelerator(kind))
@@ -116,18 +110,7 @@ def _trl_trainer(**apply_kw):
 def test_trl_trainer_scores_with_the_compiled_layers_as_stock_scores(monkeypatch):
     """TRL's reward path through the patched trainer: the stock-built trainer's reward model runs eager, the one
     built with the option runs the compiled function (without autograd) and gives stock's rewards."""
-    calls = {True: 0, False: 0}
-    compiled = compiled_reward_models._compiled_forward
-
-    def counting():
-        fn = compiled()
-
-        def call(*args, **kwargs):
-            calls[torch.is_grad_enabled()] += 1
-            return fn(*args, **kwargs)
-        return call
-
-    monkeypatch.setattr(compiled_reward_models, "_compiled_forward", counting)
+    calls = count_compiled_calls(monkeypatch, compiled_reward_models)
     n = 8
     completions = [f"a b {'a ' * (i % 3)}c" for i in range(n)]
     inputs = [{"prompt": "say the letter a please", "row": i // 4, "target": "a"} for i in range(n)]

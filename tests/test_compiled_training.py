@@ -215,17 +215,36 @@ def test_layers_switch_once_keep_their_class_name_and_a_deep_copy_runs_its_own_w
         assert enable_compiled_training(nn.Sequential(nn.Linear(2, 2))) == 0
 
 
+def count_compiled_calls(monkeypatch, module) -> dict[bool, int]:
+    """Calls of ``module``'s compiled layer function from now on, by whether autograd was on."""
+    calls = {True: 0, False: 0}
+    compiled = module._compiled_forward
+
+    def counting():
+        fn = compiled()
+
+        def call(*args, **kwargs):
+            calls[torch.is_grad_enabled()] += 1
+            return fn(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(module, "_compiled_forward", counting)
+    return calls
+
+
+class Accelerator:
+    """What the layout check reads of a trainer's accelerator: its distributed type, ``kind``."""
+
+    def __init__(self, kind):
+        from accelerate.utils import DistributedType
+
+        self.distributed_type = getattr(DistributedType, kind)
+
+
 def test_compile_training_must_be_a_bool_and_fsdp_or_deepspeed_are_refused():
     with pytest.raises(TypeError, match="compile_training='yes'"):
         grpo_patches.apply(compile_training="yes")
     assert not grpo_patches.is_applied()
-
-    class Accelerator:
-        def __init__(self, kind):
-            from accelerate.utils import DistributedType
-
-            self.distributed_type = getattr(DistributedType, kind)
-
     for kind in ("FSDP", "DEEPSPEED"):
         with pytest.raises(ValueError, match=f"under {kind}.*Drop compile_training"):
             check_layout(Accelerator(kind))
@@ -245,18 +264,7 @@ def test_trl_trainer_with_compiled_layers_trains_like_stock_and_samples_eagerly(
     dropped = copy.copy(helpers.lora())
     dropped.lora_dropout = 0.1
     monkeypatch.setattr(helpers, "lora", lambda: dropped)
-    calls = {True: 0, False: 0}
-    compiled = compiled_training._compiled_forward
-
-    def counting():
-        fn = compiled()
-
-        def call(*args, **kwargs):
-            calls[torch.is_grad_enabled()] += 1
-            return fn(*args, **kwargs)
-        return call
-
-    monkeypatch.setattr(compiled_training, "_compiled_forward", counting)
+    calls = count_compiled_calls(monkeypatch, compiled_training)
     checked = []
     monkeypatch.setattr(compiled_training, "check_layout", checked.append)
     runs = {}
