@@ -30,6 +30,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--modes", default="layers", help="comma-separated: layers (the kit's option), whole")
     modes = parser.parse_args().modes.split(",")
+    if set(modes) - {"layers", "whole"}:
+        parser.error(f"--modes {','.join(modes)}: each one of layers, whole")
     if not torch.cuda.is_available():
         print("needs CUDA")
         return 1
