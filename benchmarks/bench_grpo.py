@@ -48,7 +48,10 @@ timed call (a gzipped Chrome trace, ``trace-<name>-<variant>-rank<r>.json.gz``, 
 are reported. ``BENCH_REWARD_MODEL_ROWS=n`` sets the kit's reward-model forward size (``rewards.REWARD_MODEL_ROWS``;
 0: one forward per batch, as stock) for an A/B, ``BENCH_PICK=gumbel`` the fast generation's Gumbel-max pick in place
 of its inverse-CDF sample, ``BENCH_FUSED_GATE_UP=0`` the compiled layers with PEFT's own gate and up projections,
-``BENCH_DOWN_LAST=0`` with the down projection's base matmul inside their graph (recomputed with checkpointing).
+``BENCH_DOWN_LAST=0`` with the down projection's base matmul inside their graph (recomputed with checkpointing),
+``BENCH_GC_FREEZE=1`` Python's collector frozen (``gc.freeze()``) after the warm-up steps, ``BENCH_KEEP_CACHE=1``
+the fast generation's capture emptying the allocator's cache only where the last capture's pool does not fit (not
+also where a quarter of the allowed memory is not left).
 The grid driver writes a row's log as the row runs; it starts the row after its own imports and preflight, so a
 command around it needs more time than ``--probe-timeout`` (a minute more).
 """
@@ -398,6 +401,16 @@ class StepTimer:
         self.last_begin: float | None = None
         self.cuda = cuda
         self.peak = 0  # the run's peak allocated bytes, folded in before each phase's reset of the counter
+        self._gc_t0 = 0.0
+        gc.callbacks.append(self._gc)  # the collector's pauses inside each step (gc_s, gc_full)
+
+    def _gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_t0 = time.perf_counter()
+        elif self.cur is not None:
+            self.cur["gc_s"] = self.cur.get("gc_s", 0.0) + time.perf_counter() - self._gc_t0
+            if info.get("generation") == 2:
+                self.cur["gc_full"] = self.cur.get("gc_full", 0) + 1
 
     def callback(self):
         from transformers import TrainerCallback
@@ -424,9 +437,13 @@ class StepTimer:
                 d = derive(cur)
                 log(f"  {timer.label} step {len(timer.steps)}/{timer.total}: {cur['step_s']:.2f} s "
                     f"(generate {d['generate_s']:.2f}, rewards {d['rewards_s']:.3f}, "
-                    f"loss/backward {d['loss_backward_s']:.2f}; {int(cur.get('completion_tokens', 0))} tokens"
+                    f"loss/backward {d['loss_backward_s']:.2f}; gc {d['gc_s']:.2f} ({d['gc_full']} full); "
+                    f"{int(cur.get('completion_tokens', 0))} tokens"
                     + "".join(f"; {d[k]} {k.replace('_', ' ')}" for k in ("sample_alloc_retries", "train_alloc_retries")
                               if d[k]) + ")", timer.rank)
+                if os.environ.get("BENCH_GC_FREEZE") == "1" and len(timer.steps) == timer.warmup:
+                    gc.collect()
+                    gc.freeze()  # what the warm-up built (compiled graphs, captures) is never scanned again
 
         return _Cb()
 
@@ -458,6 +475,7 @@ class StepTimer:
                 timer.peak = max(timer.peak, torch.cuda.max_memory_allocated())
                 torch.cuda.reset_peak_memory_stats()
                 retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)
+            mallocs = torch.cuda.memory_stats().get("num_device_alloc", 0) if timer.cuda else 0
             t0 = time.perf_counter()
             profiling = profiler is not None and len(timer.steps) >= timer.warmup  # timed steps only
             if profiling:
@@ -511,6 +529,11 @@ class StepTimer:
                     text.getvalue())
             if timer.cur is not None:
                 timer.cur[name] = timer.cur.get(name, 0.0) + time.perf_counter() - t0
+                if name == "training_step":  # each micro-batch's wall time and cudaMalloc calls
+                    timer.cur.setdefault("training_step_calls", []).append(round(time.perf_counter() - t0, 4))
+                    if timer.cuda:
+                        timer.cur.setdefault("training_step_mallocs", []).append(
+                            torch.cuda.memory_stats().get("num_device_alloc", 0) - mallocs)
                 if phase_peak:  # allocated (what preflight predicts) and reserved (with the allocator's slack)
                     key, reserved = f"{name}_peak_bytes", f"{name}_reserved_bytes"
                     timer.cur[key] = max(timer.cur.get(key, 0), torch.cuda.max_memory_allocated())
@@ -598,6 +621,10 @@ def derive(step: dict[str, float]) -> dict[str, float]:
         "train_reserved_gib": step.get("training_step_reserved_bytes", 0) / GiB or None,
         "sample_alloc_retries": step.get("_generate_and_score_completions_alloc_retries"),
         "train_alloc_retries": step.get("training_step_alloc_retries"),
+        "gc_s": step.get("gc_s", 0.0),  # Python's collector, anywhere in the step
+        "gc_full": step.get("gc_full", 0),  # of it, full (generation 2) collections
+        "train_calls_s": step.get("training_step_calls"),  # per micro-batch (the first one's sampling included)
+        "train_calls_mallocs": step.get("training_step_mallocs"),
     }
 
 
@@ -649,6 +676,11 @@ def run_variant(args, variant: str, round_idx: int, ctx: dict[str, Any]) -> dict
         from grpo_patches.generation import decode, fused_loop
 
         fused_loop.pick = decode._pick = gumbel_pick
+    if os.environ.get("BENCH_KEEP_CACHE") == "1":  # the capture empties the cache only where its pool does not fit
+        from grpo_patches.generation import fused_loop
+
+        room = fused_loop._room
+        fused_loop._room = lambda: (room()[0], 0)
     placement = options and options["reward_placement"]
     if options is None:
         grpo_patches.revert()
@@ -719,8 +751,8 @@ def run_variant(args, variant: str, round_idx: int, ctx: dict[str, Any]) -> dict
 
     timed = timer.steps[args.warmup:]
     derived = [derive(s) for s in timed]
-    summary = ({key: summarize([d[key] for d in derived if d[key] is not None]) for key in derived[0]}
-               if derived else {})
+    summary = ({key: summarize([d[key] for d in derived if d[key] is not None]) for key in derived[0]
+                if not isinstance(derived[0][key], list)} if derived else {})
     return {
         "variant": variant, "round": round_idx, "rank": rank, "world_size": world,
         "reward_placement": placement, "reward_model_on_this_rank": rm_local, "distributed": distributed,

@@ -15,7 +15,7 @@ __all__ = ["MAX_REWARD_TIMEOUT", "SPEED_OPTIONS", "PatchOptions", "resolve_speed
 MAX_REWARD_TIMEOUT = 86400.0  # one day: longer is a hang by any measure (and overflows timers past ~1e9 s)
 
 #: What ``apply(speed=True)`` turns on: the GPU path measured fastest at every batch tried (docs/performance.md).
-SPEED_OPTIONS = ("fast_generation", "lean_lora", "compile_training", "compile_reward_models")
+SPEED_OPTIONS = ("fast_generation", "lean_lora", "compile_training", "compile_reward_models", "freeze_gc")
 
 
 def _plain(value: Any) -> Any:
@@ -68,13 +68,14 @@ class PatchOptions:
     compile_training: bool = False
     reward_failure: str = "raise"
     compile_reward_models: bool = False
+    freeze_gc: bool = False
 
     def __post_init__(self) -> None:
         for name in ("reward_chunk_size", "reward_timeout", "strict", "lean_lora", "compile_training",
-                     "compile_reward_models"):
+                     "compile_reward_models", "freeze_gc"):
             object.__setattr__(self, name, _plain(getattr(self, name)))
         # None: not given (a fork's config default), so off
-        for name in ("lean_lora", "compile_training", "compile_reward_models"):
+        for name in ("lean_lora", "compile_training", "compile_reward_models", "freeze_gc"):
             if getattr(self, name) is None:
                 object.__setattr__(self, name, False)
         if self.reward_placement not in PLACEMENTS:
@@ -125,6 +126,11 @@ class PatchOptions:
             raise TypeError(
                 f"grpo_patches.apply: compile_reward_models={self.compile_reward_models!r} must be True (the reward "
                 f"models' decoder layers compiled for scoring) or False (eager, as stock)."
+            )
+        if not isinstance(self.freeze_gc, bool):
+            raise TypeError(
+                f"grpo_patches.apply: freeze_gc={self.freeze_gc!r} must be True (Python's collector frozen after "
+                f"the first step, unfrozen at the end of training) or False (as stock)."
             )
 
     @property

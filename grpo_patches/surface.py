@@ -73,11 +73,18 @@ OPTIONS: tuple[Option, ...] = (
            "``None``: as ``speed``.",
            "the reward models' decoder layers run compiled (inductor) when they score; scores not bit-identical "
            "to eager; the first scoring compiles. One process or DDP. ``None`` or ``False``: off."),
+    Option("freeze_gc", None, "bool | None",
+           "after the first optimizer step, a full collection and ``gc.freeze()``: Python's collector no longer "
+           "walks what that step built (compiled graphs and their guards), whose full collections took up to a "
+           "second on a compiled run; ``gc.unfreeze()`` at the end of training (unless the process had frozen "
+           "objects before). ``None``: as ``speed``.",
+           "after the first optimizer step, a full collection and ``gc.freeze()`` (Python's collector no longer "
+           "walks what that step built); ``gc.unfreeze()`` at the end of training. ``None`` or ``False``: off."),
     Option("speed", False, "bool",
            "the GPU path measured fastest at every batch tried: ``fast_generation``, ``lean_lora``, "
-           "``compile_training`` and ``compile_reward_models`` on, each still set by its own option when given "
-           "(``speed=True, compile_training=False`` keeps stock's training numerics). Refused, naming the "
-           "option, where one of them cannot apply. Off by default: it changes what is sampled and the "
+           "``compile_training``, ``compile_reward_models`` and ``freeze_gc`` on, each still set by its own option "
+           "when given (``speed=True, compile_training=False`` keeps stock's training numerics). Refused, naming "
+           "the option, where one of them cannot apply. Off by default: it changes what is sampled and the "
            "training numerics."),
     Option("targets", ("trl", "vendored"), "tuple[str, ...]",
            'which trainers to patch: ``"trl"`` (``trl.GRPOTrainer``) and/or ``"vendored"`` (the vendored '

@@ -17,6 +17,7 @@ from torch import nn
 from ..collectives import FailFastGroup
 from ..compiled_reward_models import enable_compiled_reward_models
 from ..compiled_training import enable_compiled_training
+from ..frozen_gc import enable_frozen_gc
 from ..generation import FAST_GEN_ATTR, FastGenerationState
 from ..lean_lora import enable_lean_lora
 from ..options import PatchOptions
@@ -43,7 +44,7 @@ def attach(trainer: Any, options: PatchOptions, *,
     """Once the trainer is built: its options and fail-fast group (the mark every other wrapper
     reads), then the opt-in switches on its policy (``trainer.model``): fast generation
     (``fast_generation(trainer, config)``: the adapter's way in), lean LoRA, compiled training; and on its
-    reward models (``trainer.reward_funcs``) compiled scoring."""
+    reward models (``trainer.reward_funcs``) compiled scoring; on the trainer, the collector's freeze."""
     setattr(trainer, STATE_ATTR, TrainerPatchState(options, FailFastGroup(options.collective_timeout)))
     if options.fast_generation is not None:
         fast_generation(trainer, options.fast_generation)
@@ -53,6 +54,8 @@ def attach(trainer: Any, options: PatchOptions, *,
         enable_compiled_training(trainer.model, trainer.accelerator)
     if options.compile_reward_models:
         enable_compiled_reward_models(trainer.reward_funcs, trainer.accelerator)
+    if options.freeze_gc:
+        enable_frozen_gc(trainer)
 
 
 def _placeholder(name: str, index: int) -> Callable:
