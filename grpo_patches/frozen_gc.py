@@ -8,15 +8,16 @@ vLLM freezes after its CUDA-graph captures), the collector left them alone: 0.06
 its collections, full ones included.
 
 The freeze comes once, after the first optimizer step: a full collection first (so what is garbage then is
-freed, not frozen), then ``gc.freeze()``. At the end of training ``gc.unfreeze()`` hands the objects back
-to the collector, unless the process had frozen objects of its own before the step (``gc.freeze()`` has no
-partial undo: those stay frozen, as their owner left them). What differs from stock: objects alive at the
-freeze that later end up in reference cycles are freed at the end of training instead of at a full
-collection, so a run can hold at most what its first step held a while longer.
+freed, not frozen), then ``gc.freeze()``. When ``train()`` returns or raises, ``gc.unfreeze()`` hands the
+objects back to the collector, unless the process had frozen objects of its own before the step
+(``gc.freeze()`` has no partial undo: those stay frozen, as their owner left them). What differs from stock:
+objects alive at the freeze that later end up in reference cycles are freed at the end of training instead
+of at a full collection, so a run can hold at most what its first step held a while longer.
 """
 
 from __future__ import annotations
 
+import functools
 import gc
 from typing import Any
 
@@ -48,37 +49,38 @@ def _callback(freeze: _Freeze) -> Any:
     from transformers import TrainerCallback
 
     class FreezeGC(TrainerCallback):
-        """``apply(freeze_gc=True)``'s callback: freeze after the first step, unfreeze at the end."""
+        """``apply(freeze_gc=True)``'s callback: the freeze after the first optimizer step."""
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             freeze.step_done()
-
-        def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            freeze.train_done()
 
     return FreezeGC()
 
 
 def enable_frozen_gc(trainer: Any) -> None:
-    """Freeze the collector after ``trainer``'s first optimizer step, unfreeze when its training ends: a
-    callback of a transformers ``Trainer`` (TRL's), else around the vendored trainer's ``optimize`` and
-    ``train`` (a loop of its ``step()`` calls stays frozen until the process ends or calls
-    ``gc.unfreeze()``)."""
+    """Freeze the collector after ``trainer``'s first optimizer step (a callback of a transformers ``Trainer``,
+    TRL's; after the vendored trainer's first ``optimize``) and unfreeze it when its ``train()`` returns or
+    raises. A loop of the vendored trainer's ``step()`` calls stays frozen until the process ends or calls
+    ``gc.unfreeze()``."""
     freeze = _Freeze()
     if hasattr(trainer, "add_callback"):
         trainer.add_callback(_callback(freeze))
-        return
-    optimize, train = trainer.optimize, trainer.train
+    else:
+        optimize = trainer.optimize
 
-    def optimize_then_freeze(*args: Any, **kwargs: Any) -> Any:
-        out = optimize(*args, **kwargs)
-        freeze.step_done()
-        return out
+        def optimize_then_freeze(*args: Any, **kwargs: Any) -> Any:
+            out = optimize(*args, **kwargs)
+            freeze.step_done()
+            return out
 
+        trainer.optimize = optimize_then_freeze
+    train = trainer.train
+
+    @functools.wraps(train)
     def train_then_unfreeze(*args: Any, **kwargs: Any) -> Any:
         try:
             return train(*args, **kwargs)
         finally:
             freeze.train_done()
 
-    trainer.optimize, trainer.train = optimize_then_freeze, train_then_unfreeze
+    trainer.train = train_then_unfreeze

@@ -76,10 +76,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("freeze_gc", None, "bool | None",
            "after the first optimizer step, a full collection and ``gc.freeze()``: Python's collector no longer "
            "walks what that step built (compiled graphs and their guards), whose full collections took up to a "
-           "second on a compiled run; ``gc.unfreeze()`` at the end of training (unless the process had frozen "
-           "objects before). ``None``: as ``speed``.",
+           "second on a compiled run; ``gc.unfreeze()`` when ``train()`` returns or raises (unless the process "
+           "had frozen objects before). ``None``: as ``speed``.",
            "after the first optimizer step, a full collection and ``gc.freeze()`` (Python's collector no longer "
-           "walks what that step built); ``gc.unfreeze()`` at the end of training. ``None`` or ``False``: off."),
+           "walks what that step built); ``gc.unfreeze()`` when ``train()`` returns or raises. ``None`` or "
+           "``False``: off."),
     Option("speed", False, "bool",
            "the GPU path measured fastest at every batch tried: ``fast_generation``, ``lean_lora``, "
            "``compile_training``, ``compile_reward_models`` and ``freeze_gc`` on, each still set by its own option "

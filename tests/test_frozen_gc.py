@@ -90,6 +90,28 @@ def test_trl_trainer_stock_never_freezes_the_option_freezes_after_the_first_step
     assert after == 0, "unfrozen when training ends"
 
 
+def test_a_training_that_raises_after_the_freeze_unfreezes_too():
+    from trl import GRPOTrainer
+
+    quiet()
+    grpo_patches.apply(freeze_gc=True)
+    seen: list[int] = []
+    count = counting(seen)
+
+    def fails_at_step_two(completions, **kwargs):
+        if len(seen) == 1:
+            seen.append(gc.get_freeze_count())
+            raise ValueError("reward service down")
+        return count(completions, **kwargs)
+
+    trainer = GRPOTrainer(model=tiny_policy(5), reward_funcs=fails_at_step_two, train_dataset=prompt_dataset(),
+                          processing_class=tiny_tokenizer(), peft_config=lora(), args=grpo_args(max_steps=3))
+    with pytest.raises(Exception, match="reward service down"):
+        trainer.train()
+    assert seen[0] == 0 and seen[1] > 0, "frozen after step 1, before the failure"
+    assert gc.get_freeze_count() == 0
+
+
 def test_vendored_trainer_freezes_after_its_first_step_and_train_unfreezes():
     from peft import get_peft_model
 
