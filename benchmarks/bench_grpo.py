@@ -749,6 +749,7 @@ def run_variant(args, variant: str, round_idx: int, ctx: dict[str, Any]) -> dict
     if cuda:
         mem["after_allocated_bytes"] = torch.cuda.memory_allocated()
 
+    gc.callbacks.remove(timer._gc)  # the next variant's timer counts its own
     timed = timer.steps[args.warmup:]
     derived = [derive(s) for s in timed]
     summary = ({key: summarize([d[key] for d in derived if d[key] is not None]) for key in derived[0]
