@@ -14,8 +14,16 @@ __all__ = ["MAX_REWARD_TIMEOUT", "SPEED_OPTIONS", "PatchOptions", "resolve_speed
 
 MAX_REWARD_TIMEOUT = 86400.0  # one day: longer is a hang by any measure (and overflows timers past ~1e9 s)
 
+#: The speed options that are plain switches: what ``True`` and ``False`` mean, for the refusal of another value.
+_SWITCHES = {
+    "lean_lora": ("LoRA layers skip PEFT's fp32 copy of their input under autocast", "PEFT's forward as it is"),
+    "compile_training": ("the policy's decoder layers compiled for the training forward and backward",
+                         "eager, as stock"),
+    "compile_reward_models": ("the reward models' decoder layers compiled for scoring", "eager, as stock"),
+    "freeze_gc": ("Python's collector frozen after the first step, unfrozen at the end of training", "as stock"),
+}
 #: What ``apply(speed=True)`` turns on: the GPU path measured fastest at every batch tried (docs/performance.md).
-SPEED_OPTIONS = ("fast_generation", "lean_lora", "compile_training", "compile_reward_models", "freeze_gc")
+SPEED_OPTIONS = ("fast_generation", *_SWITCHES)
 
 
 def _plain(value: Any) -> Any:
@@ -71,11 +79,10 @@ class PatchOptions:
     freeze_gc: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("reward_chunk_size", "reward_timeout", "strict", "lean_lora", "compile_training",
-                     "compile_reward_models", "freeze_gc"):
+        for name in ("reward_chunk_size", "reward_timeout", "strict", *_SWITCHES):
             object.__setattr__(self, name, _plain(getattr(self, name)))
         # None: not given (a fork's config default), so off
-        for name in ("lean_lora", "compile_training", "compile_reward_models", "freeze_gc"):
+        for name in _SWITCHES:
             if getattr(self, name) is None:
                 object.__setattr__(self, name, False)
         if self.reward_placement not in PLACEMENTS:
@@ -108,30 +115,14 @@ class PatchOptions:
                 f"grpo_patches.apply: strict={self.strict!r} must be True (refuse an untested TRL release) or "
                 f"False (warn and patch nothing)."
             )
-        if not isinstance(self.lean_lora, bool):
-            raise TypeError(
-                f"grpo_patches.apply: lean_lora={self.lean_lora!r} must be True (LoRA layers skip PEFT's fp32 "
-                f"copy of their input under autocast) or False (PEFT's forward as it is)."
-            )
-        if self.lean_lora:
-            from .lean_lora import check_supported
+        for name, (on, off) in _SWITCHES.items():
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise TypeError(f"grpo_patches.apply: {name}={value!r} must be True ({on}) or False ({off}).")
+            if name == "lean_lora" and value:  # refused where it would change nothing, before the later switches
+                from .lean_lora import check_supported
 
-            check_supported()
-        if not isinstance(self.compile_training, bool):
-            raise TypeError(
-                f"grpo_patches.apply: compile_training={self.compile_training!r} must be True (the policy's decoder "
-                f"layers compiled for the training forward and backward) or False (eager, as stock)."
-            )
-        if not isinstance(self.compile_reward_models, bool):
-            raise TypeError(
-                f"grpo_patches.apply: compile_reward_models={self.compile_reward_models!r} must be True (the reward "
-                f"models' decoder layers compiled for scoring) or False (eager, as stock)."
-            )
-        if not isinstance(self.freeze_gc, bool):
-            raise TypeError(
-                f"grpo_patches.apply: freeze_gc={self.freeze_gc!r} must be True (Python's collector frozen after "
-                f"the first step, unfrozen at the end of training) or False (as stock)."
-            )
+                check_supported()
 
     @property
     def collective_timeout(self) -> float:
