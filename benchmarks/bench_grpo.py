@@ -475,7 +475,8 @@ class StepTimer:
                 timer.peak = max(timer.peak, torch.cuda.max_memory_allocated())
                 torch.cuda.reset_peak_memory_stats()
                 retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)
-            mallocs = torch.cuda.memory_stats().get("num_device_alloc", 0) if timer.cuda else 0
+            per_call = name == "training_step"  # each micro-batch's wall time and cudaMalloc calls
+            mallocs = torch.cuda.memory_stats().get("num_device_alloc", 0) if per_call and timer.cuda else 0
             t0 = time.perf_counter()
             profiling = profiler is not None and len(timer.steps) >= timer.warmup  # timed steps only
             if profiling:
@@ -528,9 +529,10 @@ class StepTimer:
                 (Path(profile_to) / f"profile-{timer.label.replace('#', '_')}-rank{timer.rank}.txt").write_text(
                     text.getvalue())
             if timer.cur is not None:
-                timer.cur[name] = timer.cur.get(name, 0.0) + time.perf_counter() - t0
-                if name == "training_step":  # each micro-batch's wall time and cudaMalloc calls
-                    timer.cur.setdefault("training_step_calls", []).append(round(time.perf_counter() - t0, 4))
+                elapsed = time.perf_counter() - t0
+                timer.cur[name] = timer.cur.get(name, 0.0) + elapsed
+                if per_call:
+                    timer.cur.setdefault("training_step_calls", []).append(round(elapsed, 4))
                     if timer.cuda:
                         timer.cur.setdefault("training_step_mallocs", []).append(
                             torch.cuda.memory_stats().get("num_device_alloc", 0) - mallocs)
