@@ -62,9 +62,9 @@ def target_share(completions, target=None, **kwargs):
     return out
 
 
-def patched_trl_trainer(args: Any, **apply_kw: Any):
-    """TRL's ``GRPOTrainer`` on ``tiny_policy(5)`` with the tiny LoRA and the target-letter reward, built under
-    ``apply(**apply_kw)`` (reverted afterwards: the options stay with the built trainer)."""
+def patched_trl_trainer(args: Any, *, reward_funcs: Any = target_share, **apply_kw: Any):
+    """TRL's ``GRPOTrainer`` on ``tiny_policy(5)`` with the tiny LoRA and ``reward_funcs`` (the target-letter
+    reward), built under ``apply(**apply_kw)`` (reverted afterwards: the options stay with the built trainer)."""
     from trl import GRPOTrainer
 
     import grpo_patches
@@ -73,15 +73,16 @@ def patched_trl_trainer(args: Any, **apply_kw: Any):
     grpo_patches.revert()
     grpo_patches.apply(**apply_kw)
     try:
-        return GRPOTrainer(model=tiny_policy(5), reward_funcs=target_share, train_dataset=prompt_dataset(),
+        return GRPOTrainer(model=tiny_policy(5), reward_funcs=reward_funcs, train_dataset=prompt_dataset(),
                            processing_class=tiny_tokenizer(), peft_config=lora(), args=args)
     finally:
         grpo_patches.revert()
 
 
-def patched_vendored_trainer(**apply_kw: Any):
-    """The vendored DeepSeekMath-style trainer on the tiny LoRA policy, built under ``apply(targets=("vendored",),
-    **apply_kw)`` (reverted afterwards: the options stay with the built trainer)."""
+def patched_vendored_trainer(*, reward_funcs: Any = target_share, **apply_kw: Any):
+    """The vendored DeepSeekMath-style trainer on the tiny LoRA policy with ``reward_funcs`` (the target-letter
+    reward), built under ``apply(targets=("vendored",), **apply_kw)`` (reverted afterwards: the options stay
+    with the built trainer)."""
     import warnings
 
     from peft import get_peft_model
@@ -93,7 +94,7 @@ def patched_vendored_trainer(**apply_kw: Any):
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return DSMGRPOTrainer(get_peft_model(tiny_policy(), lora()), tiny_tokenizer(), target_share,
+            return DSMGRPOTrainer(get_peft_model(tiny_policy(), lora()), tiny_tokenizer(), reward_funcs,
                                   DSMGRPOConfig(max_new_tokens=4))
     finally:
         grpo_patches.revert()

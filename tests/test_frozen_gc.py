@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import gc
-import warnings
 import weakref
 
 import pytest
 
 import grpo_patches
 from grpo_patches.frozen_gc import _Freeze
-from tests.helpers import grpo_args, lora, prompt_dataset, quiet, tiny_policy, tiny_tokenizer
+from tests.helpers import grpo_args, patched_trl_trainer, patched_vendored_trainer
 
 
 class Node:
@@ -71,17 +70,10 @@ def counting(seen: list[int]):
 
 
 def test_trl_trainer_stock_never_freezes_the_option_freezes_after_the_first_step_and_unfreezes_at_the_end():
-    from trl import GRPOTrainer
-
-    quiet()
     runs = {}
     for name, kw in {"stock": {}, "freeze_gc": {"freeze_gc": True}}.items():
-        grpo_patches.revert()
-        grpo_patches.apply(**kw)
         seen: list[int] = []
-        trainer = GRPOTrainer(model=tiny_policy(5), reward_funcs=counting(seen), train_dataset=prompt_dataset(),
-                              processing_class=tiny_tokenizer(), peft_config=lora(), args=grpo_args(max_steps=3))
-        trainer.train()
+        patched_trl_trainer(grpo_args(max_steps=3), reward_funcs=counting(seen), **kw).train()
         runs[name] = (seen, gc.get_freeze_count())
     seen, after = runs["stock"]
     assert len(seen) == 3 and set(seen) == {0} and after == 0
@@ -91,10 +83,6 @@ def test_trl_trainer_stock_never_freezes_the_option_freezes_after_the_first_step
 
 
 def test_a_training_that_raises_after_the_freeze_unfreezes_too():
-    from trl import GRPOTrainer
-
-    quiet()
-    grpo_patches.apply(freeze_gc=True)
     seen: list[int] = []
     count = counting(seen)
 
@@ -104,8 +92,7 @@ def test_a_training_that_raises_after_the_freeze_unfreezes_too():
             raise ValueError("reward service down")
         return count(completions, **kwargs)
 
-    trainer = GRPOTrainer(model=tiny_policy(5), reward_funcs=fails_at_step_two, train_dataset=prompt_dataset(),
-                          processing_class=tiny_tokenizer(), peft_config=lora(), args=grpo_args(max_steps=3))
+    trainer = patched_trl_trainer(grpo_args(max_steps=3), reward_funcs=fails_at_step_two, freeze_gc=True)
     with pytest.raises(Exception, match="reward service down"):
         trainer.train()
     assert seen[0] == 0 and seen[1] > 0, "frozen after step 1, before the failure"
@@ -113,16 +100,8 @@ def test_a_training_that_raises_after_the_freeze_unfreezes_too():
 
 
 def test_vendored_trainer_freezes_after_its_first_step_and_train_unfreezes():
-    from peft import get_peft_model
-
-    from grpo_patches.vendored.dsm_grpo import DSMGRPOConfig, DSMGRPOTrainer
-
-    grpo_patches.apply(targets=("vendored",), freeze_gc=True)
     seen: list[int] = []
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trainer = DSMGRPOTrainer(get_peft_model(tiny_policy(), lora()), tiny_tokenizer(), counting(seen),
-                                 DSMGRPOConfig(max_new_tokens=4))
+    trainer = patched_vendored_trainer(reward_funcs=counting(seen), freeze_gc=True)
     trainer.train(["a b", "c d"], steps=2)
     assert len(seen) == 2 and seen[0] == 0 and seen[1] > 0 and gc.get_freeze_count() == 0
     # a second run of the same trainer freezes again after its first step
