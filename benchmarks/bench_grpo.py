@@ -51,7 +51,10 @@ of its inverse-CDF sample, ``BENCH_FUSED_GATE_UP=0`` the compiled layers with PE
 ``BENCH_DOWN_LAST=0`` with the down projection's base matmul inside their graph (recomputed with checkpointing),
 ``BENCH_GC_FREEZE=1`` Python's collector frozen (``gc.freeze()``) after the warm-up steps, ``BENCH_KEEP_CACHE=1``
 the fast generation's capture emptying the allocator's cache only where the last capture's pool does not fit (not
-also where a quarter of the allowed memory is not left).
+also where a quarter of the allowed memory is not left). ``BENCH_SYNC=step`` waits for the device only at each
+step's start and end, not around each timed method as by default: the step's time is then the one of an
+uninstrumented run (the host's work before a micro-batch's first kernel overlaps the previous backward), and the
+phase times are the host's (the time to queue a phase's work, less what an earlier phase left on the device).
 The grid driver writes a row's log as the row runs; it starts the row after its own imports and preflight, so a
 command around it needs more time than ``--probe-timeout`` (a minute more).
 """
@@ -469,8 +472,11 @@ class StepTimer:
 
         phase_peak = timer.cuda and name in PEAK_PHASES
 
+        phase_sync = os.environ.get("BENCH_SYNC") != "step"  # step: only the steps' ends wait for the device
+
         def timed(*a, **kw):
-            timer.sync()
+            if phase_sync:
+                timer.sync()
             if phase_peak:  # this phase's own peak; the run's peak is kept in timer.peak
                 timer.peak = max(timer.peak, torch.cuda.max_memory_allocated())
                 torch.cuda.reset_peak_memory_stats()
@@ -516,7 +522,8 @@ class StepTimer:
             else:
                 with torch.profiler.record_function(f"bench/{name}"):  # a label in any outer trace
                     out = original(*a, **kw)
-            timer.sync()
+            if phase_sync:
+                timer.sync()
             if profiling:
                 import io
                 import pstats
@@ -762,6 +769,7 @@ def run_variant(args, variant: str, round_idx: int, ctx: dict[str, Any]) -> dict
         "fast_generation": bool(options and options.get("fast_generation")) or variant == "stock-graph",
         "config_overrides": config_overrides, "fast_generation_state": fast_state,
         "build_s": build_s, "train_s": train_s, "dynamo_graphs": graphs, "steps_recorded": len(timer.steps),
+        "phase_sync": os.environ.get("BENCH_SYNC") != "step",  # False: the phase times are the host's
         "warmup_steps": [derive(s) for s in timer.steps[: args.warmup]],
         "timed_steps": derived, "summary": summary, "trainable_params": trainable, **mem,
         "floor": step_floor(args.policy, args.per_device_batch * args.grad_accum,

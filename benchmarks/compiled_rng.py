@@ -1,5 +1,6 @@
 """Where inductor's random numbers cost time: the compiled training layers' LoRA dropout and the decode
-step's pick (the inverse-CDF sample, and the Gumbel-max pick it replaced), each with inductor's own generator (one Philox draw per element, fused into the
+step's pick (the inverse-CDF sample, the same with the row's maximum taken in a pass of its own, and the
+Gumbel-max pick it replaced), each with inductor's own generator (one Philox draw per element, fused into the
 kernel that uses it) and with ``fallback_random`` (ATen's generator, four values per Philox draw, in a
 kernel of its own).
 
@@ -183,6 +184,28 @@ def gumbel_pick(scores: torch.Tensor, s) -> torch.Tensor:
     return (scores - torch.log(-torch.log(u))).argmax(-1)
 
 
+def two_pass_pick(scores: torch.Tensor, s) -> torch.Tensor:
+    """``sampler.inverse_cdf`` before its blocks' sums were taken against their own maxima: the row's maximum
+    first, then the sums against it (two reads of the scores)."""
+    from grpo_patches.generation.sampler import BLOCK, _last_positive
+
+    if not s.do_sample:
+        return scores.argmax(-1)
+    u = torch.rand(scores.shape[0], 1, device=scores.device)
+    rows, vocab = scores.shape
+    blocks = -(-vocab // BLOCK)
+    top = scores.amax(-1, keepdim=True)
+    padded = torch.nn.functional.pad(scores, (0, blocks * BLOCK - vocab), value=-float("inf")).view(rows, blocks, BLOCK)
+    sums = torch.exp(padded - top.unsqueeze(-1)).sum(-1)
+    ends = sums.cumsum(-1)
+    target = u * ends[:, -1:]
+    block = torch.minimum((ends <= target).sum(-1, keepdim=True), _last_positive(sums))
+    left = target - (ends.gather(-1, block) - sums.gather(-1, block))
+    inner = torch.exp(padded.gather(1, block.unsqueeze(-1).expand(rows, 1, BLOCK)).squeeze(1) - top)
+    index = (inner.cumsum(-1) <= left).sum(-1, keepdim=True)
+    return (block * BLOCK + torch.minimum(index, _last_positive(inner))).squeeze(-1)
+
+
 def _sampling_fns() -> dict:
     """The pick variants timed, by name: each a function of the logits."""
     from grpo_patches.generation import sampler
@@ -207,8 +230,12 @@ def _sampling_fns() -> dict:
     def plain_gumbel(x, s=plain):
         return gumbel_pick(warp(x, s), s)
 
+    def plain_two_pass(x, s=plain):
+        return two_pass_pick(warp(x, s), s)
+
     for mode, options in MODES.items():
         fns[f"compiled plain, {mode}"] = torch.compile(plain_pick, options=dict(options))
+        fns[f"compiled plain two-pass maximum, {mode}"] = torch.compile(plain_two_pass, options=dict(options))
         fns[f"compiled plain Gumbel-max, {mode}"] = torch.compile(plain_gumbel, options=dict(options))
     fns["compiled top-p 0.9 T0.7 by sort"] = torch.compile(sorted_pick, options=dict(fallback))
     for ways in (2, 4, 16):

@@ -104,14 +104,21 @@ def inverse_cdf(scores: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     cost ~0.9 ms per decode step at 1024 rows of a 152k vocabulary, bound by its Philox draws. Here two
     reductions read the scores (the row's maximum, then the weights' sums over blocks of ``BLOCK`` entries),
     a cumulative sum over the blocks finds the block, and one over its ``BLOCK`` entries the token (no scan
-    over the whole vocabulary: inductor's split scan fails at that length)."""
+    over the whole vocabulary: inductor's split scan fails at that length).
+
+    The blocks' sums are taken against each block's own maximum, then rescaled to the row's: both
+    reductions of a block read its ``BLOCK`` entries once, where the row's maximum first would read the
+    scores twice (on an H100 at 1024 rows the separate maximum and sums cost 0.11 + 0.37 ms a step)."""
     rows, vocab = scores.shape
     blocks = -(-vocab // BLOCK)
-    top = scores.amax(-1, keepdim=True)
     padded = scores if vocab == blocks * BLOCK else torch.nn.functional.pad(scores, (0, blocks * BLOCK - vocab),
                                                                            value=-math.inf)
     padded = padded.view(rows, blocks, BLOCK)
-    sums = torch.exp(padded - top.unsqueeze(-1)).sum(-1)  # [B, blocks]
+    peaks = padded.amax(-1)  # [B, blocks]; -inf for a block of weight 0
+    finite = torch.where(peaks == -math.inf, 0.0, peaks)  # no -inf - -inf (NaN) in such a block
+    local = torch.exp(padded - finite.unsqueeze(-1)).sum(-1)
+    top = peaks.amax(-1, keepdim=True)
+    sums = local * torch.exp(peaks - top)  # [B, blocks], against the row's maximum
     ends = sums.cumsum(-1)
     target = u * ends[:, -1:]
     # the first block ending past target; where ``u * total`` rounds up to the total, the last of positive weight
