@@ -127,6 +127,8 @@ VARIANTS: dict[str, tuple[dict[str, Any] | None, dict[str, Any]]] = {
         "decode_loop": "graph", "keep_graph": True}, "lean_lora": True, "compile_training": True}, {}),
     # apply(speed=True): fast_generation + lean_lora + compile_training + compile_reward_models, each at its defaults
     "patched-speed": ({"reward_placement": "local", "speed": True}, {}),
+    # the same keeping the fused loop's CUDA graph between rounds (replayed where the caches come back in place)
+    "patched-speed-kg": ({"reward_placement": "local", "speed": True, "fast_generation": {"keep_graph": True}}, {}),
     # the same with the reward model scoring eagerly, as stock
     "patched-speed-eager-rm": ({"reward_placement": "local", "speed": True, "compile_reward_models": False}, {}),
     # the same capturing one decode step per CUDA graph (replayed check_every times between host checks)
