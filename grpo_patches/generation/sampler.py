@@ -106,9 +106,9 @@ def inverse_cdf(scores: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     a cumulative sum over the blocks finds the block, and one over its ``BLOCK`` entries the token (no scan
     over the whole vocabulary: inductor's split scan fails at that length).
 
-    The blocks' sums are taken against each block's own maximum, then rescaled to the row's: both
-    reductions of a block read its ``BLOCK`` entries once, where the row's maximum first would read the
-    scores twice (on an H100 at 1024 rows the separate maximum and sums cost 0.11 + 0.37 ms a step)."""
+    The blocks' sums are taken against each block's own maximum, then rescaled to the row's, so that both
+    reductions run over a block's ``BLOCK`` entries in one pass; the row's maximum first would read the
+    scores twice (compiled, 1024 rows of a 152k vocabulary on an H100: 0.46 against 0.63 ms a pick)."""
     rows, vocab = scores.shape
     blocks = -(-vocab // BLOCK)
     padded = scores if vocab == blocks * BLOCK else torch.nn.functional.pad(scores, (0, blocks * BLOCK - vocab),
