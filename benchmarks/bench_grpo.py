@@ -52,10 +52,11 @@ of its inverse-CDF sample, ``BENCH_FUSED_GATE_UP=0`` the compiled layers with PE
 ``BENCH_GC_FREEZE=1`` Python's collector frozen (``gc.freeze()``) after the warm-up steps, ``BENCH_KEEP_CACHE=1``
 the fast generation's capture emptying the allocator's cache only where the last capture's pool does not fit (not
 also where a quarter of the allowed memory is not left), ``BENCH_CAPTURE_ASYNC=1`` the capture recording the
-round's graph while the device still runs the prefill (no wait for the device first). ``BENCH_SYNC=step`` waits for the device only at each
-step's start and end, not around each timed method as by default: the step's time is then the one of an
-uninstrumented run (the host's work before a micro-batch's first kernel overlaps the previous backward), and the
-phase times are the host's (the time to queue a phase's work, less what an earlier phase left on the device).
+round's graph while the device still runs the prefill (no wait for the device first). ``BENCH_SYNC=step`` waits
+for the device only at each step's start and end, not around each timed method as by default: the step's time
+is then the one of an uninstrumented run (the host's work before a micro-batch's first kernel overlaps the
+previous backward), and the phase times are the host's (the time to queue a phase's work, less what an earlier
+phase left on the device).
 The grid driver writes a row's log as the row runs; it starts the row after its own imports and preflight, so a
 command around it needs more time than ``--probe-timeout`` (a minute more).
 """

@@ -101,14 +101,12 @@ def inverse_cdf(scores: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     token whose cumulative weight exceeds ``u`` times the row's total, so never one of weight 0 (-inf scores).
 
     One random number per row, where a Gumbel-max pick draws one per vocabulary entry: on an H200 that pick
-    cost ~0.9 ms per decode step at 1024 rows of a 152k vocabulary, bound by its Philox draws. Here two
-    reductions read the scores (the row's maximum, then the weights' sums over blocks of ``BLOCK`` entries),
-    a cumulative sum over the blocks finds the block, and one over its ``BLOCK`` entries the token (no scan
-    over the whole vocabulary: inductor's split scan fails at that length).
-
-    The blocks' sums are taken against each block's own maximum, then rescaled to the row's, so that both
-    reductions run over a block's ``BLOCK`` entries in one pass; the row's maximum first would read the
-    scores twice (compiled, 1024 rows of a 152k vocabulary on an H100: 0.46 against 0.63 ms a pick)."""
+    cost ~0.9 ms per decode step at 1024 rows of a 152k vocabulary, bound by its Philox draws. Here one pass
+    over the scores takes each block of ``BLOCK`` entries' maximum and its weights' sum against that maximum
+    (rescaled to the row's maximum afterwards: the row's maximum first would read the scores twice, 0.63
+    against 0.46 ms a compiled pick at 1024 rows on an H100), a cumulative sum over the blocks finds the
+    block, and one over its ``BLOCK`` entries the token (no scan over the whole vocabulary: inductor's split
+    scan fails at that length)."""
     rows, vocab = scores.shape
     blocks = -(-vocab // BLOCK)
     padded = scores if vocab == blocks * BLOCK else torch.nn.functional.pad(scores, (0, blocks * BLOCK - vocab),
