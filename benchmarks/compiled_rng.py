@@ -187,23 +187,14 @@ def gumbel_pick(scores: torch.Tensor, s) -> torch.Tensor:
 def two_pass_pick(scores: torch.Tensor, s) -> torch.Tensor:
     """``sampler.inverse_cdf`` before its blocks' sums were taken against their own maxima: the row's maximum
     first, then the sums against it (two reads of the scores)."""
-    from grpo_patches.generation.sampler import BLOCK, _last_positive
+    from grpo_patches.generation.sampler import blocks_of, search_blocks
 
     if not s.do_sample:
         return scores.argmax(-1)
     u = torch.rand(scores.shape[0], 1, device=scores.device)
-    rows, vocab = scores.shape
-    blocks = -(-vocab // BLOCK)
+    padded = blocks_of(scores)
     top = scores.amax(-1, keepdim=True)
-    padded = torch.nn.functional.pad(scores, (0, blocks * BLOCK - vocab), value=-float("inf")).view(rows, blocks, BLOCK)
-    sums = torch.exp(padded - top.unsqueeze(-1)).sum(-1)
-    ends = sums.cumsum(-1)
-    target = u * ends[:, -1:]
-    block = torch.minimum((ends <= target).sum(-1, keepdim=True), _last_positive(sums))
-    left = target - (ends.gather(-1, block) - sums.gather(-1, block))
-    inner = torch.exp(padded.gather(1, block.unsqueeze(-1).expand(rows, 1, BLOCK)).squeeze(1) - top)
-    index = (inner.cumsum(-1) <= left).sum(-1, keepdim=True)
-    return (block * BLOCK + torch.minimum(index, _last_positive(inner))).squeeze(-1)
+    return search_blocks(padded, top, torch.exp(padded - top.unsqueeze(-1)).sum(-1), u)
 
 
 def _sampling_fns() -> dict:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Sampler", "eos_hit", "inverse_cdf", "nucleus", "order_keys", "pick", "warp"]
+__all__ = ["Sampler", "blocks_of", "eos_hit", "inverse_cdf", "nucleus", "order_keys", "pick", "search_blocks", "warp"]
 
 BLOCK = 128  # vocabulary entries per block of the inverse-CDF sample
 
@@ -107,16 +107,28 @@ def inverse_cdf(scores: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     against 0.46 ms a compiled pick at 1024 rows on an H100), a cumulative sum over the blocks finds the
     block, and one over its ``BLOCK`` entries the token (no scan over the whole vocabulary: inductor's split
     scan fails at that length)."""
-    rows, vocab = scores.shape
-    blocks = -(-vocab // BLOCK)
-    padded = scores if vocab == blocks * BLOCK else torch.nn.functional.pad(scores, (0, blocks * BLOCK - vocab),
-                                                                           value=-math.inf)
-    padded = padded.view(rows, blocks, BLOCK)
+    padded = blocks_of(scores)
     peaks = padded.amax(-1)  # [B, blocks]; -inf for a block of weight 0
     finite = torch.where(peaks == -math.inf, 0.0, peaks)  # no -inf - -inf (NaN) in such a block
     local = torch.exp(padded - finite.unsqueeze(-1)).sum(-1)
     top = peaks.amax(-1, keepdim=True)
     sums = local * torch.exp(peaks - top)  # [B, blocks], against the row's maximum
+    return search_blocks(padded, top, sums, u)
+
+
+def blocks_of(scores: torch.Tensor) -> torch.Tensor:
+    """``scores`` ([B, V]) as ``[B, blocks, BLOCK]``, the last block padded with -inf (weight 0)."""
+    rows, vocab = scores.shape
+    blocks = -(-vocab // BLOCK)
+    padded = scores if vocab == blocks * BLOCK else torch.nn.functional.pad(scores, (0, blocks * BLOCK - vocab),
+                                                                           value=-math.inf)
+    return padded.view(rows, blocks, BLOCK)
+
+
+def search_blocks(padded: torch.Tensor, top: torch.Tensor, sums: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """:func:`inverse_cdf`'s token from the blocked scores, the row's maximum ``top`` ([B, 1]) and each block's
+    weights' sum against it (``sums``, [B, blocks])."""
+    rows = padded.shape[0]
     ends = sums.cumsum(-1)
     target = u * ends[:, -1:]
     # the first block ending past target; where ``u * total`` rounds up to the total, the last of positive weight
