@@ -407,6 +407,7 @@ class StepTimer:
         self.cur: dict[str, float] | None = None
         self.last_begin: float | None = None
         self.cuda = cuda
+        self.phase_sync = os.environ.get("BENCH_SYNC") != "step"  # step: only the steps' ends wait for the device
         self.peak = 0  # the run's peak allocated bytes, folded in before each phase's reset of the counter
         self._gc_t0 = 0.0
         gc.callbacks.append(self._gc)  # the collector's pauses inside each step (gc_s, gc_full)
@@ -476,10 +477,8 @@ class StepTimer:
 
         phase_peak = timer.cuda and name in PEAK_PHASES
 
-        phase_sync = os.environ.get("BENCH_SYNC") != "step"  # step: only the steps' ends wait for the device
-
         def timed(*a, **kw):
-            if phase_sync:
+            if timer.phase_sync:
                 timer.sync()
             if phase_peak:  # this phase's own peak; the run's peak is kept in timer.peak
                 timer.peak = max(timer.peak, torch.cuda.max_memory_allocated())
@@ -526,7 +525,7 @@ class StepTimer:
             else:
                 with torch.profiler.record_function(f"bench/{name}"):  # a label in any outer trace
                     out = original(*a, **kw)
-            if phase_sync:
+            if timer.phase_sync:
                 timer.sync()
             if profiling:
                 import io
@@ -775,7 +774,7 @@ def run_variant(args, variant: str, round_idx: int, ctx: dict[str, Any]) -> dict
         "fast_generation": bool(options and options.get("fast_generation")) or variant == "stock-graph",
         "config_overrides": config_overrides, "fast_generation_state": fast_state,
         "build_s": build_s, "train_s": train_s, "dynamo_graphs": graphs, "steps_recorded": len(timer.steps),
-        "phase_sync": os.environ.get("BENCH_SYNC") != "step",  # False: the phase times are the host's
+        "phase_sync": timer.phase_sync,  # False: the phase times are the host's
         "warmup_steps": [derive(s) for s in timer.steps[: args.warmup]],
         "timed_steps": derived, "summary": summary, "trainable_params": trainable, **mem,
         "floor": step_floor(args.policy, args.per_device_batch * args.grad_accum,
