@@ -51,8 +51,8 @@ of its inverse-CDF sample, ``BENCH_FUSED_GATE_UP=0`` the compiled layers with PE
 ``BENCH_DOWN_LAST=0`` with the down projection's base matmul inside their graph (recomputed with checkpointing),
 ``BENCH_GC_FREEZE=1`` Python's collector frozen (``gc.freeze()``) after the warm-up steps, ``BENCH_KEEP_CACHE=1``
 the fast generation's capture emptying the allocator's cache only where the last capture's pool does not fit (not
-also where a quarter of the allowed memory is not left), ``BENCH_CAPTURE_ASYNC=1`` the capture recording the
-round's graph while the device still runs the prefill (no wait for the device first). ``BENCH_SYNC=step`` waits
+also where a quarter of the allowed memory is not left), ``BENCH_CAPTURE_SYNC=1`` the capture waiting for
+the device before it records the round's graph (where it records while the device still runs the prefill). ``BENCH_SYNC=step`` waits
 for the device only at each step's start and end, not around each timed method as by default: the step's time
 is then the one of an uninstrumented run (the host's work before a micro-batch's first kernel overlaps the
 previous backward), and the phase times are the host's (the time to queue a phase's work, less what an earlier
@@ -693,8 +693,8 @@ def run_variant(args, variant: str, round_idx: int, ctx: dict[str, Any]) -> dict
 
         room = fused_loop._room
         fused_loop._room = lambda: (room()[0], 0)
-    if os.environ.get("BENCH_CAPTURE_ASYNC") == "1":  # the graph recorded while the prefill still runs
-        _capture_without_waiting()
+    if os.environ.get("BENCH_CAPTURE_SYNC") == "1":  # the device waited for before the graph is recorded
+        _capture_after_waiting()
     placement = options and options["reward_placement"]
     if options is None:
         grpo_patches.revert()
@@ -783,29 +783,21 @@ def run_variant(args, variant: str, round_idx: int, ctx: dict[str, Any]) -> dict
     }
 
 
-def _capture_without_waiting() -> None:
-    """``BENCH_CAPTURE_ASYNC=1``: the fused loop's capture neither waits for the device after its real step nor
-    empties the allocator's cache unless the last capture's pool does not fit (``cudaFree`` waits for the device
-    too), so the host records the round's graph while the device runs the prefill and that step."""
+def _capture_after_waiting() -> None:
+    """``BENCH_CAPTURE_SYNC=1``: the fused loop's capture waits for the device after its real step, before it
+    records the round's graph (as it did before it recorded while the prefill still ran): the device idles
+    for the whole recording."""
     import torch
 
     from grpo_patches.generation import fused_loop
 
-    def capture(step, args, chunk, need=0):
-        side = fused_loop._side_stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            step(*args)
-        if fused_loop._room()[0] < need:
-            torch.cuda.empty_cache()
-        try:
-            return fused_loop._record(step, args, chunk, side)
-        except torch.cuda.OutOfMemoryError:
-            pass
-        torch.cuda.empty_cache()
-        return fused_loop._record(step, args, chunk, side)
+    room = fused_loop._room
 
-    fused_loop._capture = capture
+    def waited_room():
+        torch.cuda.synchronize()
+        return room()
+
+    fused_loop._room = waited_room  # called once per capture, right after the real step
 
 
 def free_memory(cuda: bool) -> None:

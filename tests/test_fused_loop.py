@@ -57,7 +57,8 @@ def test_capture_keeps_the_allocator_cache_unless_short_of_room_and_tries_once_m
     """The fused loop's capture (CUDA only: its torch.cuda calls recorded here with stand-ins). The cache is
     emptied only where less than the pool the last capture took, or a quarter of the memory the process may
     use, is left (``torch.cuda.graph`` empties it at every capture, so the next round's caches moved), and
-    after a capture that ran out of memory, which is tried once more; every capture begun is ended."""
+    after a capture that ran out of memory, which is tried once more; every capture begun is ended. Nothing
+    waits for the device (the host records while the prefill runs): a ``synchronize`` would be in the log."""
     from contextlib import nullcontext
 
     from grpo_patches.generation import fused_loop
@@ -85,7 +86,7 @@ def test_capture_keeps_the_allocator_cache_unless_short_of_room_and_tries_once_m
     streams.clear()
     for name, value in {"Stream": Stream, "current_stream": lambda: current, "stream": lambda s: nullcontext(),
                         "current_device": lambda: 0,
-                        "synchronize": lambda: None, "CUDAGraph": Graph, "memory_reserved": lambda: reserved[0],
+                        "synchronize": lambda: log.append("synchronize"), "CUDAGraph": Graph, "memory_reserved": lambda: reserved[0],
                         "empty_cache": lambda: log.append("empty_cache"), "mem_get_info": lambda: (free[0], 10_000),
                         "get_per_process_memory_fraction": lambda: fraction[0]}.items():
         monkeypatch.setattr(torch.cuda, name, value, raising=False)
