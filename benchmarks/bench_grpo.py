@@ -52,7 +52,8 @@ of its inverse-CDF sample, ``BENCH_FUSED_GATE_UP=0`` the compiled layers with PE
 ``BENCH_GC_FREEZE=1`` Python's collector frozen (``gc.freeze()``) after the warm-up steps, ``BENCH_KEEP_CACHE=1``
 the fast generation's capture emptying the allocator's cache only where the last capture's pool does not fit (not
 also where a quarter of the allowed memory is not left), ``BENCH_CAPTURE_SYNC=1`` the capture waiting for
-the device before it records the round's graph (where it records while the device still runs the prefill). ``BENCH_SYNC=step`` waits
+the device before it records the round's graph (where it records while the device still runs the prefill),
+``BENCH_PREFILL_ALL=1`` the fast generation's prefill over every row (where it prefills each prompt's G copies once). ``BENCH_SYNC=step`` waits
 for the device only at each step's start and end, not around each timed method as by default: the step's time
 is then the one of an uninstrumented run (the host's work before a micro-batch's first kernel overlaps the
 previous backward), and the phase times are the host's (the time to queue a phase's work, less what an earlier
@@ -695,6 +696,10 @@ def run_variant(args, variant: str, round_idx: int, ctx: dict[str, Any]) -> dict
         fused_loop._room = lambda: (room()[0], 0)
     if os.environ.get("BENCH_CAPTURE_SYNC") == "1":  # the device waited for before the graph is recorded
         _capture_after_waiting()
+    if os.environ.get("BENCH_PREFILL_ALL") == "1":  # every row prefilled, repeated prompts too
+        from grpo_patches.generation import decode
+
+        decode.repeated_rows = lambda input_ids, attention_mask: None
     placement = options and options["reward_placement"]
     if options is None:
         grpo_patches.revert()

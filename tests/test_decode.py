@@ -72,6 +72,29 @@ def test_graph_loop_prefill_computes_the_last_logits_with_one_plain_matmul():
     assert ("aten::mm", [[4, model.config.hidden_size], [model.config.hidden_size, vocab]]) in heads, heads
 
 
+def test_graph_loop_prefills_each_repeated_prompt_once_and_decodes_every_row_as_eager():
+    """TRL lays out a prompt's G copies as consecutive rows: the prefill runs once per run of equal rows (ids and
+    mask) and writes its keys and values to every row of the run; the tokens equal eager decoding's. Equal ids
+    under another mask, and a copy that is not next to its prompt, are prefilled on their own."""
+    model = lora_policy()
+    ids, mask = batch([5, 9, 7, 9], seed=3)
+    ids[3], mask[3] = ids[1], mask[1]  # a copy of row 1, not next to it
+    rows = [0, 0, 0, 1, 1, 2, 3, 3, 3, 3]
+    ids, mask = ids[rows], mask[rows].clone()
+    mask[9, -9:-3] = 0  # the last row: row 3's ids under another mask (its first six tokens masked out)
+    seen = []
+    embed = model.get_base_model().model.embed_tokens
+    hook = embed.register_forward_hook(lambda module, args, out: seen.append(args[0].shape[0]))
+    try:
+        fast = fast_generate(model, ids, mask, generation_config=greedy(), config=graph_config(Counting()))
+    finally:
+        hook.remove()
+    assert seen[:1] == [5], f"prefill rows {seen[:1]}: one per run of equal rows (rows 0, 1, 2, 3, and 3 under its mask)"
+    eager = eager_generate(model, ids, mask)
+    assert torch.equal(fast, eager), (fast, eager)
+    assert not torch.equal(fast[8, 9:], fast[9, 9:]), "the other mask gave another completion (the case is meaningful)"
+
+
 def test_graph_loop_no_recompilation_across_prompt_lengths_in_a_bucket():
     model = lora_policy()
     counting = Counting()

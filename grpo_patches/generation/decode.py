@@ -185,10 +185,46 @@ def _prefill(model: nn.Module, cache: Any, input_ids: torch.Tensor, attention_ma
     # that the LM head's matmul runs as a batched one, every row reading the whole head weight (155 ms at 1024
     # rows of a 152k vocabulary on an H100, against 0.7 ms); an index tensor gathers a contiguous copy instead
     extra = {"logits_to_keep": torch.tensor([prompt - 1], device=device)} if _forward_kwargs(model) else {}
-    logits = model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
-                   cache_position=torch.arange(prompt, device=device), past_key_values=cache, use_cache=True,
-                   **extra).logits[:, -1, :]
+    cache_position = torch.arange(prompt, device=device)
+    rows = repeated_rows(input_ids, attention_mask)
+    logits = None if rows is None else _prefill_distinct(model, cache, input_ids, attention_mask, positions,
+                                                         cache_position, rows, extra)
+    if logits is None:
+        logits = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, cache_position=cache_position,
+                       past_key_values=cache, use_cache=True, **extra).logits[:, -1, :]
     return _pick(_warp(logits, s), s), mask, attention_mask.long().sum(-1, keepdim=True)
+
+
+def repeated_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(first, group)`` where rows repeat the row before them (ids and mask), as TRL's sampler lays out a
+    prompt's G copies: ``first`` the index of each run's first row, ``group[i]`` the run of row ``i``; None
+    where no row repeats. Waits for the device once (the number of distinct prompts sizes the prefill)."""
+    starts = torch.ones(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+    starts[1:] = (input_ids[1:] != input_ids[:-1]).any(-1) | (attention_mask[1:] != attention_mask[:-1]).any(-1)
+    first = starts.nonzero().squeeze(1)
+    if first.numel() == input_ids.shape[0]:
+        return None
+    return first, starts.long().cumsum(0) - 1
+
+
+def _prefill_distinct(model: nn.Module, cache: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                      positions: torch.Tensor, cache_position: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor],
+                      extra: dict) -> torch.Tensor | None:
+    """The prefill of each distinct prompt once (GRPO samples G completions per prompt: 1/G of the prefill's
+    work), its keys and values then written to every row of ``cache`` that repeats it, through the cache's own
+    ``update`` as the attention layers write them; returns the last position's logits of every row, or None
+    (nothing written) where the model cached other layers than the static cache holds."""
+    from transformers import DynamicCache
+
+    first, group = rows
+    distinct = DynamicCache()
+    logits = model(input_ids=input_ids[first], attention_mask=attention_mask[first], position_ids=positions[first],
+                   cache_position=cache_position, past_key_values=distinct, use_cache=True, **extra).logits[:, -1, :]
+    if len(distinct.layers) != len(cache.layers):
+        return None
+    for i, layer in enumerate(distinct.layers):
+        cache.update(layer.keys[group], layer.values[group], i, {"cache_position": cache_position})
+    return logits[group]
 
 
 def _finish(input_ids: torch.Tensor, out: torch.Tensor, s: _Sampler, max_new: int,
