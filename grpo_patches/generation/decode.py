@@ -1,7 +1,8 @@
-"""The graph decode loop (``decode_loop="graph"``): an eager prefill into a pooled static cache, then
-one compiled step per token that runs the forward, transformers' temperature / top-k / top-p warping,
-the sample (inverse CDF, one uniform per row) or greedy pick and the EOS bookkeeping on fixed shapes, the host checking
-for the end only every ``check_every`` steps. For Llama / Qwen2 / Mistral-shaped policies the step
+"""The graph decode loop (``decode_loop="graph"``): an eager prefill into a pooled static cache (once per run
+of repeated prompts, as TRL lays out a prompt's G copies: ``repeated_rows``), then one compiled step per token
+that runs the forward, transformers' temperature / top-k / top-p warping, the sample (inverse CDF, one uniform
+per row) or greedy pick and the EOS bookkeeping on fixed shapes, the host checking for the end only every
+``check_every`` steps. For Llama / Qwen2 / Mistral-shaped policies the step
 is the kit's fused one and ``check_every`` steps are one CUDA graph (``fused``, ``fused_loop``);
 otherwise the model's own forward runs in the step, one CUDA-graph replay per token. A config it
 does not implement goes to transformers' loop with one warning: a silently different sampler would
