@@ -789,20 +789,31 @@ def run_variant(args, variant: str, round_idx: int, ctx: dict[str, Any]) -> dict
 
 
 def _capture_after_waiting() -> None:
-    """``BENCH_CAPTURE_SYNC=1``: the fused loop's capture waits for the device after its real step, before it
-    records the round's graph (as it did before it recorded while the prefill still ran): the device idles
-    for the whole recording."""
+    """``BENCH_CAPTURE_SYNC=1``: the fused loop's capture as it was before it recorded while the device still ran
+    the prefill: it waits for the device after its real step, then empties the allocator's cache where less than
+    the last pool or a quarter of the allowed memory is left (nothing is emptied before the prefill)."""
     import torch
 
-    from grpo_patches.generation import fused_loop
+    from grpo_patches.generation import decode, fused_loop
 
-    room = fused_loop._room
-
-    def waited_room():
+    def capture(step, args, chunk, need=0):
+        side = fused_loop._side_stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step(*args)
         torch.cuda.synchronize()
-        return room()
+        room, allowed = fused_loop._room()
+        if room < max(need, allowed // 4):
+            torch.cuda.empty_cache()
+        try:
+            return fused_loop._record(step, args, chunk, side)
+        except torch.cuda.OutOfMemoryError:
+            pass
+        torch.cuda.empty_cache()
+        return fused_loop._record(step, args, chunk, side)
 
-    fused_loop._room = waited_room  # called once per capture, right after the real step
+    fused_loop._capture = capture
+    decode.make_room = lambda graphs, device, stats: None
 
 
 def free_memory(cuda: bool) -> None:

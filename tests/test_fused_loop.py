@@ -54,11 +54,12 @@ def test_gpu_fused_loop_is_one_cuda_graph_per_check_every_tokens_captured_once_a
 
 
 def test_capture_keeps_the_allocator_cache_unless_short_of_room_and_tries_once_more_after_running_out(monkeypatch):
-    """The fused loop's capture (CUDA only: its torch.cuda calls recorded here with stand-ins). The cache is
-    emptied only where less than the pool the last capture took, or a quarter of the memory the process may
-    use, is left (``torch.cuda.graph`` empties it at every capture, so the next round's caches moved), and
-    after a capture that ran out of memory, which is tried once more; every capture begun is ended. Nothing
-    waits for the device (the host records while the prefill runs): a ``synchronize`` would be in the log."""
+    """The fused loop's cache rules (CUDA only: its torch.cuda calls recorded here with stand-ins). Before the
+    prefill (``make_room``) the cache is emptied only where less than the pool the last capture took, or a
+    quarter of the memory the process may use, is left (``torch.cuda.graph`` empties it at every capture, so
+    the next round's caches moved); at the capture only where that pool does not fit, and after a capture that
+    ran out of memory, which is tried once more; every capture begun is ended. The capture never waits for the
+    device (the host records while the prefill runs): a ``synchronize`` would be in the log."""
     from contextlib import nullcontext
 
     from grpo_patches.generation import fused_loop
@@ -86,7 +87,8 @@ def test_capture_keeps_the_allocator_cache_unless_short_of_room_and_tries_once_m
     streams.clear()
     for name, value in {"Stream": Stream, "current_stream": lambda: current, "stream": lambda s: nullcontext(),
                         "current_device": lambda: 0,
-                        "synchronize": lambda: log.append("synchronize"), "CUDAGraph": Graph, "memory_reserved": lambda: reserved[0],
+                        "synchronize": lambda: log.append("synchronize"), "CUDAGraph": Graph,
+                        "memory_reserved": lambda: reserved[0],
                         "empty_cache": lambda: log.append("empty_cache"), "mem_get_info": lambda: (free[0], 10_000),
                         "get_per_process_memory_fraction": lambda: fraction[0]}.items():
         monkeypatch.setattr(torch.cuda, name, value, raising=False)
@@ -102,18 +104,33 @@ def test_capture_keeps_the_allocator_cache_unless_short_of_room_and_tries_once_m
         reserved[0] = 0
         return fused_loop._capture(step, (), 4, need)[1], list(log)
 
+    def room_made(need, graphs=None, device="cuda", held=0):
+        log.clear()
+        reserved[0] = held  # what the allocator holds (the training phase's cached blocks)
+        fused_loop.make_room({} if graphs is None else graphs, torch.device(device),
+                             fused_loop.FusedLoopStats(graph_pool_bytes=need))
+        return list(log)
+
     assert capture(0) == (40, ["begin", "end"]), "no need known: the cache stays"
     assert capture(40) == (40, ["begin", "end"]), "room for the pool beside the cache"
+    assert room_made(40) == [], "room for the pool and over a quarter free"
     free[0] = 30
     assert capture(40) == (40, ["empty_cache", "begin", "end"]), "short of free memory"
+    assert room_made(40) == ["empty_cache"], "short of free memory"
+    assert room_made(40, graphs={fused_loop._FAILED: True}) == [], "no capture over these caches: nothing to do"
+    assert room_made(40, device="cpu") == [], "no graphs on the CPU"
     free[0] = 2_600
-    assert capture(40) == (40, ["begin", "end"]), "over a quarter of the device free"
+    assert room_made(40) == [], "over a quarter of the device free"
     free[0] = 2_400
-    assert capture(0) == (40, ["empty_cache", "begin", "end"]), "under a quarter free: defragmented"
+    assert room_made(0) == ["empty_cache"], "under a quarter free: defragmented before the prefill"
+    assert capture(0) == (40, ["begin", "end"]), "under a quarter free: not at the capture (it would wait)"
     free[0], fraction[0] = 10_000, 0.5  # within the process's fraction: 5000 - 10 (the warm-up step's) left
     assert capture(40) == (40, ["begin", "end"]), "room within the memory fraction"
     fraction[0] = 0.004  # 40 - 10
     assert capture(40) == (40, ["empty_cache", "begin", "end"]), "short within the memory fraction"
+    fraction[0] = 0.5
+    assert room_made(40, held=3_700) == [], "over a quarter of the allowed 5000 left"
+    assert room_made(40, held=3_800) == ["empty_cache"], "under a quarter of the allowed 5000 left"
     fraction[0], fail[:] = 1.0, [True]
     assert capture(0) == (40, ["begin", "end", "empty_cache", "begin", "end"]), "out of memory: emptied, again"
     fail[:] = [True, True]
@@ -122,7 +139,6 @@ def test_capture_keeps_the_allocator_cache_unless_short_of_room_and_tries_once_m
     assert log == ["begin", "end", "empty_cache", "begin", "end"]
     # one side stream for every capture: PyTorch keeps a cuBLAS workspace per stream until the process ends
     assert streams == [fused_loop._SIDE[0]] and len(fused_loop._SIDE) == 1, "nine captures, one side stream"
-
 
 @gpu
 @pytest.mark.slow
@@ -204,6 +220,7 @@ def test_fused_loop_whose_graph_capture_fails_decodes_step_by_step_after_the_war
     plain = fast_generate(model, ids, mask, generation_config=greedy(),
                           config=graph_config(reference, check_every=4, release_after_sampling=False))
     monkeypatch.setattr(fused_loop, "_graphs_on", lambda device: True)
+    monkeypatch.setattr(fused_loop, "_room", lambda: (1 << 40, 1 << 40))  # the allocator's room: plenty
     monkeypatch.setattr(fused_loop, "_capture", failing_capture)
     fallback = Counting()
     with pytest.warns(RuntimeWarning, match="could not be captured"):
@@ -242,11 +259,12 @@ def test_a_graph_of_graph_steps_is_replayed_until_the_next_check_and_gives_the_s
         return Graph(step, args, steps), 0
 
     monkeypatch.setattr(fused_loop, "_graphs_on", lambda device: True)
+    monkeypatch.setattr(fused_loop, "_room", lambda: (captured.append("room") or 1 << 40, 1 << 40))  # plenty
     monkeypatch.setattr(fused_loop, "_capture", capture)
     graphed = Counting()
     config = graph_config(graphed, check_every=4, graph_steps=graph_steps, release_after_sampling=False)
     assert torch.equal(fast_generate(model, ids, mask, generation_config=greedy(), config=config), plain)
-    assert captured == [graph_steps or 4]
+    assert captured == ["room", graph_steps or 4], "the room made before the prefill, then one capture"
     steps = graph_steps or 4  # the last graph runs whole: past the last token by less than one graph
     assert graphed.runs == reference.runs + (1 - reference.runs) % steps, "every decode step once"
     with pytest.raises(ValueError, match="graph_steps=3 must be None or a positive divisor of check_every=4"):

@@ -22,7 +22,7 @@ from torch import nn
 from .cache import StaticCachePool
 from .config import FastGenerationConfig, cache_length, warn_once
 from .fused import FusedDecoder
-from .fused_loop import FusedLoopStats, fused_decode
+from .fused_loop import FusedLoopStats, fused_decode, make_room
 from .sampler import Sampler as _Sampler
 from .sampler import eos_hit as _eos_hit
 from .sampler import pick as _pick
@@ -335,6 +335,7 @@ def _fused_generate(model: nn.Module, decoder: FusedDecoder, cache: Any, input_i
                     attention_mask: torch.Tensor | None, s: _Sampler, max_new: int, config: FastGenerationConfig,
                     stats: GraphDecodeStats, graphs: dict | None) -> torch.Tensor:
     """The prefill, then the fused step's loop (``fused_loop``); CUDA graphs only on the pool's cache."""
+    make_room(graphs, input_ids.device, stats.fused)
     first, mask, positions = _prefill(model, cache, input_ids, attention_mask, s, max_new)
     out, steps = fused_decode(model, decoder, cache, first, mask, positions, input_ids.shape[1], s, max_new, config,
                               stats.fused, graphs)

@@ -35,7 +35,7 @@ from .decode_attention import use_kernel
 from .fused import DecoderShape, FusedDecoder, fused_forward
 from .sampler import Sampler, eos_hit, pick, warp
 
-__all__ = ["FusedLoopStats", "fused_decode"]
+__all__ = ["FusedLoopStats", "fused_decode", "make_room"]
 
 
 @dataclass
@@ -225,33 +225,45 @@ def _side_stream() -> Any:
     return _SIDE[device]
 
 
+def make_room(graphs: dict | None, device: torch.device, stats: FusedLoopStats) -> None:
+    """Before a round's prefill, where the loop will capture (``graphs``: as :func:`fused_decode` takes them):
+    empty the allocator's cache where less than the pool the last capture took or a quarter of the memory the
+    process may use (``_room``) is left.
+
+    The capture's private pool cannot use cached blocks, and long-lived tensors allocated into the training
+    phase's cached segments can fragment them (under a 24 GiB cap at batch 256, lean_lora + keep_graph ran out
+    of memory with the cache kept, where the same options had fit with it emptied at every capture; that run
+    changed one other thing too, so the cause is not separated). Emptied here, before the round's caches and
+    prefill allocate, it costs no wait: ``cudaFree`` waits for the device, which at the capture is still
+    running the prefill. Not the ``torch.cuda.graph`` context's flush at every capture: that handed each freed
+    block (the released caches and merged buffer, the training phase's activations) back to the driver where
+    memory was plentiful too, so the next round's caches came back at other addresses (a kept graph captured
+    again) and the training phase allocated from the driver again (H200, 1.5B, batch 8: the training phase took
+    0.46-0.48 s with the cache emptied at every capture, 0.35 s, stock's, with it kept).
+    """
+    if graphs is None or _FAILED in graphs or not _graphs_on(device):
+        return
+    room, allowed = _room()
+    if room < max(stats.graph_pool_bytes, allowed // 4):
+        torch.cuda.empty_cache()
+
+
 def _capture(step: Callable, args: tuple, chunk: int, need: int = 0) -> tuple[Any, int]:
     """One real step on a side stream (compilation, lazy initialization), then ``chunk`` steps captured
     on it; returns the graph and the memory reserved during the capture (its private pool). ``need``: the
     pool an earlier capture of this entry (or, for a new entry, the last capture) took; 0: none yet.
 
-    Nothing here waits for the device: the host records the graph (~12 ms of host time per captured step of a
-    1.5B model) while the device still runs the prefill and the real step, which the replays then follow on
-    the current stream. Waiting first left the device idle for the whole recording (196 ms a round at 16 steps).
-
-    Not the ``torch.cuda.graph`` context, whose entry empties the allocator's cache at every capture: that
-    handed each freed block (the released caches and merged buffer, the training phase's activations) back to
-    the driver, so the next round's caches came back at other addresses (a kept graph captured again) and the
-    training phase allocated from the driver again (H200, 1.5B, batch 8: the training phase took 0.46-0.48 s with
-    the cache emptied at every capture, 0.35 s, stock's, with it kept). Emptying it still pays where memory
-    is short: the private pool cannot use cached blocks, and long-lived tensors allocated into the training
-    phase's cached segments can fragment them (under a 24 GiB cap at batch 256, lean_lora + keep_graph ran out
-    of memory with the cache kept, where the same options had fit with it emptied at every capture; that run
-    changed one other thing too, so the cause is not separated). So the cache is emptied first where less than
-    ``need`` or a quarter of the memory the process may use (``_room``) is left, as ``torch.cuda.graph`` did,
-    and after a capture that ran out of memory, which is then tried once more.
+    Nothing here waits for the device unless memory is short: the host records the graph (~12 ms of host time
+    per captured step of a 1.5B model) while the device still runs the prefill and the real step, which the
+    replays then follow on the current stream; waiting first left the device idle for the whole recording
+    (196 ms a round at 16 steps). The cache (``make_room`` ran before the prefill) is emptied here only where
+    ``need`` no longer fits, and after a capture that ran out of memory, which is then tried once more.
     """
     side = _side_stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         step(*args)
-    room, allowed = _room()
-    if room < max(need, allowed // 4):
+    if _room()[0] < need:
         torch.cuda.empty_cache()
     try:
         return _record(step, args, chunk, side)
