@@ -179,9 +179,9 @@ HBM_BYTES_PER_S = 4.8e12
 
 
 def floor_estimate(policy: str, batch: int, prompt_len: int, completion_len: int, grad_ckpt: bool,
-                   dtype_bytes: int = 2) -> dict[str, float]:
+                   dtype_bytes: int = 2, group: int = 1) -> dict[str, float]:
     """The least time one GRPO step on one GPU can take, from the model shapes: the matmul FLOPs of the
-    prefill, the reward model's forward, the loss's forward, the checkpointed recomputation and the
+    prefill (once per distinct prompt: ``group`` completions share one), the reward model's forward, the loss's forward, the checkpointed recomputation and the
     backward (activation gradients only: the base is frozen, LoRA's own are ~1% more) at the bf16 rate,
     plus ``completion_len`` decode steps, each at least one read of every weight and of the KV cache
     (or its FLOPs, whichever is larger). Attention score FLOPs included; elementwise work is not."""
@@ -201,7 +201,7 @@ def floor_estimate(policy: str, batch: int, prompt_len: int, completion_len: int
     def fwd(m, n_tokens, ctx, head_tokens):  # matmul FLOPs of one forward over n_tokens (mean context ctx)
         return 2 * m["linear"] * n_tokens + 4 * m["layers"] * m["q"] * ctx * n_tokens + 2 * m["head"] * head_tokens
 
-    prefill = fwd(pol, batch * prompt_len, prompt_len / 2, batch)
+    prefill = fwd(pol, batch // group * prompt_len, prompt_len / 2, batch // group)
     reward = fwd(rm, tokens, seq / 2, 0)  # a 1-label score head: negligible
     loss_fwd = fwd(pol, tokens, seq / 2, batch * completion_len)  # TRL's fused head: completion positions only
     passes = 3 if grad_ckpt else 2  # forward, (recompute), backward to the activations
@@ -219,11 +219,11 @@ def floor_estimate(policy: str, batch: int, prompt_len: int, completion_len: int
 
 
 def step_floor(policy: str, completions: int, generation_batch: int, prompt_len: int, completion_len: int,
-               grad_ckpt: bool) -> dict[str, float]:
+               grad_ckpt: bool, group: int = 1) -> dict[str, float]:
     """``floor_estimate`` for an optimizer step of ``completions`` per rank generated ``generation_batch`` at a
     time: the step's FLOPs do not depend on the layout, its decode reads repeat once per generation round
     (``completions / generation_batch`` rounds), so a smaller generation batch has a higher floor."""
-    one = floor_estimate(policy, generation_batch, prompt_len, completion_len, grad_ckpt)
+    one = floor_estimate(policy, generation_batch, prompt_len, completion_len, grad_ckpt, group=group)
     rounds = completions / generation_batch
     return {k: (v * rounds if k != "prompt_len" else v) for k, v in one.items()}
 
@@ -784,7 +784,7 @@ def run_variant(args, variant: str, round_idx: int, ctx: dict[str, Any]) -> dict
         "timed_steps": derived, "summary": summary, "trainable_params": trainable, **mem,
         "floor": step_floor(args.policy, args.per_device_batch * args.grad_accum,
                             args.per_device_batch * (args.steps_per_generation or args.grad_accum),
-                            ctx["prompt_tokens"], args.completion_len, args.grad_ckpt == "on"),
+                            ctx["prompt_tokens"], args.completion_len, args.grad_ckpt == "on", args.num_generations),
     }
 
 
@@ -1155,7 +1155,7 @@ def run_grid(args) -> int:
     prompt_len = PROMPT_WORDS + 1  # the worker measures it (one token per word and a BOS); the dry run assumes it
     for row in rows:
         fl = step_floor(args.policy, args.completions_per_step, row["generation_batch"], prompt_len,
-                        args.completion_len, args.grad_ckpt == "on")
+                        args.completion_len, args.grad_ckpt == "on", args.num_generations)
         row["floor_s"] = fl["floor_s"]
         row["predicted_gib"] = predicted_gib(args, row)
         row["launch"] = args.grid_all or not args.mem_cap_gb or row["predicted_gib"] <= args.mem_cap_gb
@@ -1217,7 +1217,8 @@ def grid_phase_table(out: Path) -> str:
             continue
         fl = step_floor(rec["policy"], rec["per_device_batch"] * rec["grad_accum"],
                         rec["per_device_batch"] * (rec["steps_per_generation"] or rec["grad_accum"]),
-                        rec["floor"]["prompt_len"], rec["completion_len"], rec["grad_ckpt"] == "on")
+                        rec["floor"]["prompt_len"], rec["completion_len"], rec["grad_ckpt"] == "on",
+                        rec.get("num_generations", 1))
         m = {k: statistics.median(st[k] for st in steps) for k in ("step_s", "generate_s", "rewards_s")}
         m["training_s"] = statistics.median(st["loss_backward_s"] for st in steps)
         m["other_s"] = statistics.median(st["score_other_s"] + st["prepare_other_s"] + st["other_s"] for st in steps)
