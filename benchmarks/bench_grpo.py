@@ -134,8 +134,9 @@ VARIANTS: dict[str, tuple[dict[str, Any] | None, dict[str, Any]]] = {
     "patched-speed-kg": ({"reward_placement": "local", "speed": True, "fast_generation": {"keep_graph": True}}, {}),
     # the same with the reward model scoring eagerly, as stock
     "patched-speed-eager-rm": ({"reward_placement": "local", "speed": True, "compile_reward_models": False}, {}),
-    # the same capturing one decode step per CUDA graph (replayed check_every times between host checks)
+    # the same with graph_steps named: one decode step per CUDA graph (the default), or check_every (16) steps
     "patched-speed-g1": ({"reward_placement": "local", "speed": True, "fast_generation": {"graph_steps": 1}}, {}),
+    "patched-speed-g16": ({"reward_placement": "local", "speed": True, "fast_generation": {"graph_steps": None}}, {}),
     # the same with the fused step's attention as matmuls over the whole static cache (no Triton kernel)
     "patched-speed-matmul": ({"reward_placement": "local", "speed": True,
                               "fast_generation": {"decode_attention": "matmul"}}, {}),

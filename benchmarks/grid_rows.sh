@@ -2,7 +2,7 @@
 # The 1.5B grid's best rows, stock and the kit, one after another in one call, with A/B switches per row.
 #
 #   bash benchmarks/grid_rows.sh                                    # the kit's speed row, then stock's
-#   ROWS="patched-speed-g1 stock BENCH_FUSED_GATE_UP=0:patched-speed-g1" bash benchmarks/grid_rows.sh
+#   ROWS="patched-speed stock patched-speed-g16 BENCH_FUSED_GATE_UP=0:patched-speed" bash benchmarks/grid_rows.sh
 #   POLICY=tiny COMPLETIONS=8 GEN_BATCH=8 MICRO=4 CAP=0 bash benchmarks/grid_rows.sh   # CPU: the code path
 #
 # A row is VARIANT or ENV=VALUE[,ENV=VALUE]:VARIANT (the environment only for that row, e.g. BENCH_PICK=gumbel,

@@ -231,7 +231,7 @@ def test_fused_loop_whose_graph_capture_fails_decodes_step_by_step_after_the_war
     second = fast_generate(model, ids, mask, generation_config=greedy(),
                            config=graph_config(fallback, check_every=4, release_after_sampling=False))
     assert torch.equal(second, eager)
-    assert attempts == [4] and len(stats.capture_errors) == errors0 + 1, "one attempt over the same caches"
+    assert len(attempts) == 1 and len(stats.capture_errors) == errors0 + 1, "one attempt over the same caches"
 
 
 @pytest.mark.parametrize("graph_steps", [None, 1, 2])

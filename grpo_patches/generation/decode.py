@@ -2,11 +2,10 @@
 of repeated prompts, as TRL lays out a prompt's G copies: ``repeated_rows``), then one compiled step per token
 that runs the forward, transformers' temperature / top-k / top-p warping, the sample (inverse CDF, one uniform
 per row) or greedy pick and the EOS bookkeeping on fixed shapes, the host checking for the end only every
-``check_every`` steps. For Llama / Qwen2 / Mistral-shaped policies the step
-is the kit's fused one and ``check_every`` steps are one CUDA graph (``fused``, ``fused_loop``);
-otherwise the model's own forward runs in the step, one CUDA-graph replay per token. A config it
-does not implement goes to transformers' loop with one warning: a silently different sampler would
-be worse than a slower one."""
+``check_every`` steps. For Llama / Qwen2 / Mistral-shaped policies the step is the kit's fused one, captured
+as CUDA graphs of ``graph_steps`` steps (``fused``, ``fused_loop``); otherwise the model's own forward runs in
+the step, one CUDA-graph replay per token. A config it does not implement goes to transformers' loop with one
+warning: a silently different sampler would be worse than a slower one."""
 
 from __future__ import annotations
 
