@@ -50,10 +50,10 @@ are reported. ``BENCH_REWARD_MODEL_ROWS=n`` sets the kit's reward-model forward 
 of its inverse-CDF sample, ``BENCH_FUSED_GATE_UP=0`` the compiled layers with PEFT's own gate and up projections,
 ``BENCH_DOWN_LAST=0`` with the down projection's base matmul inside their graph (recomputed with checkpointing),
 ``BENCH_GC_FREEZE=1`` Python's collector frozen (``gc.freeze()``) after the warm-up steps, ``BENCH_KEEP_CACHE=1``
-the fast generation's capture emptying the allocator's cache only where the last capture's pool does not fit (not
-also where a quarter of the allowed memory is not left), ``BENCH_CAPTURE_SYNC=1`` the capture waiting for
-the device before it records the round's graph (where it records while the device still runs the prefill),
-``BENCH_PREFILL_ALL=1`` the fast generation's prefill over every row (where it prefills each prompt's G copies once). ``BENCH_SYNC=step`` waits
+the fast generation emptying the allocator's cache only where the last capture's pool does not fit (not also where
+a quarter of the allowed memory is not left), ``BENCH_CAPTURE_SYNC=1`` the capture waiting for the device before
+it records the round's graph (where it records while the device still runs the prefill), ``BENCH_PREFILL_ALL=1``
+the fast generation's prefill over every row (where it prefills each prompt's G copies once). ``BENCH_SYNC=step`` waits
 for the device only at each step's start and end, not around each timed method as by default: the step's time
 is then the one of an uninstrumented run (the host's work before a micro-batch's first kernel overlaps the
 previous backward), and the phase times are the host's (the time to queue a phase's work, less what an earlier
@@ -182,10 +182,11 @@ HBM_BYTES_PER_S = 4.8e12
 def floor_estimate(policy: str, batch: int, prompt_len: int, completion_len: int, grad_ckpt: bool,
                    dtype_bytes: int = 2, group: int = 1) -> dict[str, float]:
     """The least time one GRPO step on one GPU can take, from the model shapes: the matmul FLOPs of the
-    prefill (once per distinct prompt: ``group`` completions share one), the reward model's forward, the loss's forward, the checkpointed recomputation and the
-    backward (activation gradients only: the base is frozen, LoRA's own are ~1% more) at the bf16 rate,
-    plus ``completion_len`` decode steps, each at least one read of every weight and of the KV cache
-    (or its FLOPs, whichever is larger). Attention score FLOPs included; elementwise work is not."""
+    prefill (once per distinct prompt: ``group`` completions share one), the reward model's forward, the loss's
+    forward, the checkpointed recomputation and the backward (activation gradients only: the base is frozen,
+    LoRA's own are ~1% more) at the bf16 rate, plus ``completion_len`` decode steps, each at least one read of
+    every weight and of the KV cache (or its FLOPs, whichever is larger). Attention score FLOPs included;
+    elementwise work is not."""
     def shape(name):
         c = POLICIES[name]
         h, inter, layers, heads, kv = (c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"],
