@@ -95,6 +95,33 @@ def test_graph_loop_prefills_each_repeated_prompt_once_and_decodes_every_row_as_
     assert not torch.equal(fast[8, 9:], fast[9, 9:]), "the other mask gave another completion (the case is meaningful)"
 
 
+def test_graph_loop_prefills_every_row_where_the_distinct_prefill_cached_other_layers(monkeypatch):
+    """Where the once-per-prompt prefill's cache holds other layers than the static cache (a model that caches
+    some layers elsewhere), nothing of it is written: every row is prefilled as before, same tokens."""
+    import transformers
+
+    class SkipsLastLayer(transformers.DynamicCache):
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            if layer_idx == model.config.num_hidden_layers - 1:
+                return key_states, value_states  # attends to the prompt, caches nothing
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    model = lora_policy()
+    ids, mask = batch([5, 9, 7], seed=4)
+    ids, mask = ids[[0, 0, 1, 1, 2, 2]], mask[[0, 0, 1, 1, 2, 2]]
+    monkeypatch.setattr(transformers, "DynamicCache", SkipsLastLayer)
+    seen = []
+    hook = model.get_base_model().model.embed_tokens.register_forward_hook(
+        lambda module, args, out: seen.append(args[0].shape[0]))
+    try:
+        fast = fast_generate(model, ids, mask, generation_config=greedy(), config=graph_config(Counting()))
+    finally:
+        hook.remove()
+    assert seen[:2] == [3, 6], f"prefill rows {seen[:2]}: the distinct rows, then every row"
+    monkeypatch.undo()
+    assert torch.equal(fast, eager_generate(model, ids, mask))
+
+
 def test_graph_loop_no_recompilation_across_prompt_lengths_in_a_bucket():
     model = lora_policy()
     counting = Counting()
