@@ -89,7 +89,7 @@ def test_graph_loop_prefills_each_repeated_prompt_once_and_decodes_every_row_as_
         fast = fast_generate(model, ids, mask, generation_config=greedy(), config=graph_config(Counting()))
     finally:
         hook.remove()
-    assert seen[:1] == [5], f"prefill rows {seen[:1]}: one per run of equal rows (rows 0, 1, 2, 3, and 3 under its mask)"
+    assert seen[:1] == [5], f"prefill rows {seen[:1]}: one per run of equal rows (0, 1, 2, 3, 3 under its mask)"
     eager = eager_generate(model, ids, mask)
     assert torch.equal(fast, eager), (fast, eager)
     assert not torch.equal(fast[8, 9:], fast[9, 9:]), "the other mask gave another completion (the case is meaningful)"

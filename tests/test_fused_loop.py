@@ -140,6 +140,7 @@ def test_capture_keeps_the_allocator_cache_unless_short_of_room_and_tries_once_m
     # one side stream for every capture: PyTorch keeps a cuBLAS workspace per stream until the process ends
     assert streams == [fused_loop._SIDE[0]] and len(fused_loop._SIDE) == 1, "nine captures, one side stream"
 
+
 @gpu
 @pytest.mark.slow
 def test_gpu_kept_graph_is_replayed_exactly_while_caches_and_buffer_are_back_at_its_addresses(monkeypatch):

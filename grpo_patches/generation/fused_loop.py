@@ -234,11 +234,12 @@ def make_room(graphs: dict | None, device: torch.device, stats: FusedLoopStats) 
     of memory with the cache kept, where the same options had fit with it emptied at every capture; that run
     changed one other thing too, so the cause is not separated). Emptied here, before the round's caches and
     prefill allocate, ``cudaFree``'s wait for the device covers only what came before the round (the merged
-    buffer's fill); at the capture it would wait for the whole prefill. Not the ``torch.cuda.graph`` context's flush at every capture: that handed each freed
-    block (the released caches and merged buffer, the training phase's activations) back to the driver where
-    memory was plentiful too, so the next round's caches came back at other addresses (a kept graph captured
-    again) and the training phase allocated from the driver again (H200, 1.5B, batch 8: the training phase took
-    0.46-0.48 s with the cache emptied at every capture, 0.35 s, stock's, with it kept).
+    buffer's fill); at the capture it would wait for the whole prefill. Not the ``torch.cuda.graph`` context's
+    flush at every capture: that handed each freed block (the released caches and merged buffer, the training
+    phase's activations) back to the driver where memory was plentiful too, so the next round's caches came
+    back at other addresses (a kept graph captured again) and the training phase allocated from the driver
+    again (H200, 1.5B, batch 8: the training phase took 0.46-0.48 s with the cache emptied at every capture,
+    0.35 s, stock's, with it kept).
     """
     if graphs is None or _FAILED in graphs or not _graphs_on(device):
         return
