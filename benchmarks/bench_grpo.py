@@ -793,28 +793,23 @@ def run_variant(args, variant: str, round_idx: int, ctx: dict[str, Any]) -> dict
 def _capture_after_waiting() -> None:
     """``BENCH_CAPTURE_SYNC=1``: the fused loop's capture as it was before it recorded while the device still ran
     the prefill: it waits for the device after its real step, then empties the allocator's cache where less than
-    the last pool or a quarter of the allowed memory is left (nothing is emptied before the prefill)."""
+    the last pool or a quarter of the allowed memory is left (nothing is emptied before the prefill). The capture
+    reads ``_room`` once, right after its real step, and empties the cache itself where the pool does not fit."""
     import torch
 
     from grpo_patches.generation import decode, fused_loop
 
-    def capture(step, args, chunk, need=0):
-        side = fused_loop._side_stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            step(*args)
-        torch.cuda.synchronize()
-        room, allowed = fused_loop._room()
-        if room < max(need, allowed // 4):
-            torch.cuda.empty_cache()
-        try:
-            return fused_loop._record(step, args, chunk, side)
-        except torch.cuda.OutOfMemoryError:
-            pass
-        torch.cuda.empty_cache()
-        return fused_loop._record(step, args, chunk, side)
+    room = fused_loop._room
 
-    fused_loop._capture = capture
+    def waited_room():
+        torch.cuda.synchronize()
+        left, allowed = room()
+        if left < allowed // 4:
+            torch.cuda.empty_cache()
+            left, allowed = room()
+        return left, allowed
+
+    fused_loop._room = waited_room
     decode.make_room = lambda graphs, device, stats: None
 
 

@@ -135,7 +135,7 @@ def fused_decode(model: Any, decoder: FusedDecoder, cache: Any, first: torch.Ten
     kernel = use_kernel(config.decode_attention, device, batch)  # the Triton attention kernel, or the matmuls
     stats.attention = "kernel" if kernel else "matmul"
     step = _token_step(model, s, decoder.shape, config, kernel)
-    use_graph = graphs is not None and _graphs_on(device) and n_steps > 0 and _FAILED not in graphs
+    use_graph = n_steps > 0 and _captures(graphs, device)
     per_graph = config.graph_steps or chunk  # decode steps per captured graph, replayed chunk / per_graph times
     entry_key = (batch, keys[0].shape[2], width, s, decoder.shape, kernel, per_graph)
     entry = graphs.get(entry_key) if use_graph else None
@@ -199,6 +199,12 @@ def _graphs_on(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
+def _captures(graphs: dict | None, device: torch.device) -> bool:
+    """Whether the loop captures over these caches: graphs kept (the pool's), on a device with graphs, and no
+    capture over them failed."""
+    return graphs is not None and _graphs_on(device) and _FAILED not in graphs
+
+
 def _stepwise(step: Callable, args: tuple, n_steps: int, chunk: int, unfinished: torch.Tensor,
               out: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Token by token, the host checking for the end every ``chunk`` steps (CPU, or no graph)."""
@@ -241,7 +247,7 @@ def make_room(graphs: dict | None, device: torch.device, stats: FusedLoopStats) 
     again (H200, 1.5B, batch 8: the training phase took 0.46-0.48 s with the cache emptied at every capture,
     0.35 s, stock's, with it kept).
     """
-    if graphs is None or _FAILED in graphs or not _graphs_on(device):
+    if not _captures(graphs, device):
         return
     room, allowed = _room()
     if room < max(stats.graph_pool_bytes, allowed // 4):
