@@ -47,7 +47,9 @@ timed call (a gzipped Chrome trace, ``trace-<name>-<variant>-rank<r>.json.gz``, 
 ``benchmarks/trace_gaps.py`` lists its device idle gaps). All three slow the profiled calls: profile in a run of its own, not in the one whose step times
 are reported. ``BENCH_REWARD_MODEL_ROWS=n`` sets the kit's reward-model forward size (``rewards.REWARD_MODEL_ROWS``;
 0: one forward per batch, as stock) for an A/B, ``BENCH_PICK=gumbel`` the fast generation's Gumbel-max pick in place
-of its inverse-CDF sample, ``BENCH_FUSED_GATE_UP=0`` the compiled layers with PEFT's own gate and up projections,
+of its inverse-CDF sample, ``BENCH_FUSED_GATE_UP=0`` the compiled layers with PEFT's own gate and up projections, ``BENCH_FUSED_DROPOUT=0``
+the lean layers with PEFT's LoRA dropout and ``lora_A`` (not the fused op), ``BENCH_DROPOUT_TILES`` the fused
+op's tiles (``lora_dropout.TILES`` as JSON),
 ``BENCH_DOWN_LAST=0`` with the down projection's base matmul inside their graph (recomputed with checkpointing),
 ``BENCH_GC_FREEZE=1`` Python's collector frozen (``gc.freeze()``) after the warm-up steps, ``BENCH_KEEP_CACHE=1``
 the fast generation emptying the allocator's cache only where the last capture's pool does not fit (not also where
@@ -678,6 +680,14 @@ def run_variant(args, variant: str, round_idx: int, ctx: dict[str, Any]) -> dict
         from grpo_patches import rewards
 
         rewards.REWARD_MODEL_ROWS = int(os.environ["BENCH_REWARD_MODEL_ROWS"])
+    if os.environ.get("BENCH_FUSED_DROPOUT") == "0":  # lean LoRA layers with PEFT's dropout and lora_A
+        from grpo_patches import lora_dropout
+
+        lora_dropout._AVAILABLE = False
+    if os.environ.get("BENCH_DROPOUT_TILES"):  # the fused dropout's tiles (lora_dropout.TILES, as JSON)
+        from grpo_patches import lora_dropout
+
+        lora_dropout.TILES = tuple((b, tuple(f), tuple(g)) for b, f, g in json.loads(os.environ["BENCH_DROPOUT_TILES"]))
     if os.environ.get("BENCH_FUSED_GATE_UP") == "0":  # compile_training with PEFT's own gate and up projections
         from grpo_patches import fused_gate_up
 

@@ -11,7 +11,8 @@ Training: ``--layers`` Qwen2.5-1.5B-shaped decoder layers (random weights) with 
 (r16, dropout 0.05, seven projections), ``lean_lora`` and ``compile_training``, gradient checkpointing on,
 bf16 autocast, one micro-batch of ``--micro-batch`` x ``--seq`` tokens: forward, recomputation and backward,
 per layer (``--lora-dropout``, ``--modes`` vary it; ``unfused``: the kit's settings with PEFT's own gate and up
-projections, no ``fused_gate_up``; ``down-inside``: without ``recompute_tail``; ``--kernels N``: each mode's largest
+projections, no ``fused_gate_up``; ``down-inside``: without ``recompute_tail``; ``peft-dropout``: PEFT's LoRA
+dropout and ``lora_A`` in place of the fused op; ``--kernels N``: each mode's largest
 kernels; ``--saved``: what each mode's layer saves for its backward). Sampling, over ``[rows, vocab]`` bf16 logits at
 each of ``--rows`` (1024, 192 and 8): ``sampler.pick(sampler.warp(...))`` compiled as the fused decode step compiles
 it, plain (temperature 1) and with the pinned temperature 0.7 / top-p 0.9, whose top-p is timed three
@@ -112,7 +113,7 @@ def _saved_mib(inner, forward) -> float:
 
 
 def training(args, device: torch.device) -> dict:
-    from grpo_patches import compiled_training, fused_gate_up, recompute_tail
+    from grpo_patches import compiled_training, fused_gate_up, lora_dropout, recompute_tail
 
     cuda = device.type == "cuda"
     inner, cfg = decoder_stack("tiny" if args.tiny else "1.5b", args.layers, device,
@@ -123,10 +124,11 @@ def training(args, device: torch.device) -> dict:
     modes = [("eager", None), *MODES.items()]
     if args.modes:
         modes = [(m, o) for m, o in modes if m in args.modes.split(",")]
-    for extra in ("unfused", "down-inside"):
+    for extra in ("unfused", "down-inside", "peft-dropout"):
         if not args.modes or extra in args.modes.split(","):
             modes.append((extra, MODES["fallback_random"]))
     fused, down = fused_gate_up._fused, recompute_tail.down_projection
+    available = lora_dropout._AVAILABLE
     for mode, options in modes:  # eager first: the layers are switched after it
         if options is not None:  # the kit's compiled layers, compiled anew with these inductor settings
             torch._dynamo.reset()
@@ -136,6 +138,8 @@ def training(args, device: torch.device) -> dict:
             fused_gate_up._fused = (lambda mlp, x: None) if mode == "unfused" else fused
             # "down-inside": the kit's settings with the down projection's base matmul inside the graph
             recompute_tail.down_projection = (lambda d, a, h: d(h)) if mode == "down-inside" else down
+            # "peft-dropout": the kit's settings with PEFT's dropout and lora_A, not the fused op
+            lora_dropout._AVAILABLE = False if mode == "peft-dropout" else available
 
         def step():
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
@@ -271,7 +275,8 @@ def main() -> None:
     p.add_argument("--lora-dropout", type=float, default=0.05, help="training: the LoRA dropout (0: none)")
     p.add_argument("--no-lora", action="store_true", help="training: the frozen base layers alone, no adapter")
     p.add_argument("--modes", default="", help="training: a comma list of eager,inductor,fallback_random,unfused "
-                   "(fallback_random without fused_gate_up),down-inside (without recompute_tail)")
+                   "(fallback_random without fused_gate_up),down-inside (without recompute_tail),peft-dropout (PEFT's LoRA dropout "
+                   "and lora_A, not the fused op)")
     p.add_argument("--saved", action="store_true", help="training: also the MiB autograd saves per layer in a forward "
                    "without checkpointing (held from a layer's recomputation to its backward)")
     p.add_argument("--kernels", type=int, default=0, help="training, on a GPU: also list each mode's N largest CUDA "

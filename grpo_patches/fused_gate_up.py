@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from . import recompute_tail
-from .lean_lora import _lora_linear
+from .lean_lora import _lora_linear, adapter_input
 from .swapped import same_name_subclass
 
 __all__ = ["enable_fused_gate_up", "fused_mlps"]
@@ -98,8 +98,7 @@ def _fused(mlp: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     if a is None or b is None:
         return None
     # PEFT's order: gate's adapter input and dropout mask first
-    ug = gate.lora_A[a](gate.lora_dropout[a](gate._cast_input_dtype(x, gate.lora_A[a].weight.dtype)))
-    uu = up.lora_A[b](up.lora_dropout[b](up._cast_input_dtype(x, up.lora_A[b].weight.dtype)))
+    ug, uu = adapter_input(gate, a, x), adapter_input(up, b, x)
     device = x.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
     wg, wu = gate.base_layer.weight, up.base_layer.weight

@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .lean_lora import adapter_input
+
 __all__ = ["down_projection"]
 
 
@@ -34,8 +36,8 @@ def _base_last(h: torch.Tensor, weight: torch.Tensor, added: torch.Tensor) -> to
 def down_projection(down: nn.Module, adapter: str, h: torch.Tensor) -> torch.Tensor:
     """PEFT's ``down(h)`` for its one active ``adapter``: the adapter's output in the compiled graph (PEFT's
     input cast, dropout and scaling, in its order), the base matmul last and eager."""
-    lora_a, lora_b = down.lora_A[adapter], down.lora_B[adapter]
-    update = lora_b(lora_a(down.lora_dropout[adapter](down._cast_input_dtype(h, lora_a.weight.dtype))))
+    lora_b = down.lora_B[adapter]
+    update = lora_b(adapter_input(down, adapter, h))
     device = h.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else down.base_layer.weight.dtype
     return _base_last(h, down.base_layer.weight, (update * down.scaling[adapter]).to(dtype))
