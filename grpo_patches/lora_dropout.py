@@ -410,4 +410,3 @@ def dropout_lora_a(x: torch.Tensor, weight_a: torch.Tensor, p: float, seed: torc
     """
     op = _OP if _OP is not None else _op()
     return op(x, weight_a, seed.reshape(1), float(p), int(block_t), int(block_k), int(num_warps))
-

@@ -1,12 +1,14 @@
 """lora_dropout: PEFT's ``lora_A(dropout(x))`` as one Triton op, run on CPU in Triton's interpreter.
 
-The mask reference (``keep_mask``, plain torch) is Philox4x32-10 as Triton draws it (Random123's known answer,
-Triton's own ``randint4x``); against it the op's ``u``, ``grad_x`` and ``grad_A`` equal torch math over shapes off
+The mask reference (``keep_mask``, plain torch) is Philox4x32 as Triton draws it (Random123's known answers at 7
+and 10 rounds, Triton's own ``randint4x``), eight 16-bit draws per call laid out as the kernel interleaves them;
+against it the op's ``u``, ``grad_x`` and ``grad_A`` equal torch math over shapes off
 every tile and rank 1 .. 16, in fp32 tightly and bf16 loosely; the threshold is inclusive and ``1 / (1 - p)``
 scales; the mask does not depend on the tiles, follows the seed (high bits, negative seeds too) and keeps
 ``1 - p`` of the elements; p = 0 is ``x @ A^T``. The lean LoRA layer takes the op on its fast path (under bf16
 autocast) and matches stock PEFT fed the op's masks, redraws them in a checkpointed recomputation (gradients
-equal without checkpointing), traces into one graph, and stays bit-identical to stock wherever the op is not taken.
+equal without checkpointing), traces into one graph, and stays bit-identical to stock wherever the op is not taken;
+the compiled layers' fused gate / up and down adapter take it too, in PEFT's order of masks.
 
 ``TRITON_INTERPRET=1`` must be set before Triton is first imported, and this process may have imported it
 already, so each kernel test runs itself again in a fresh interpreter with the variable set (:func:`interpreted`).
