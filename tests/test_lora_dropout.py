@@ -455,3 +455,29 @@ def test_fused_gate_up_and_the_down_tail_take_the_op_with_peft_values_on_its_mas
     for name, g, w, o in zip(("gate", "up", "down"), got, want, other, strict=True):
         err = rel(g, w)
         assert err <= 2e-2 and rel(g, o) > 10 * err, (name, err, rel(g, o))
+
+
+@interpreted
+def test_compiled_layers_with_checkpointing_redraw_the_forwards_masks(monkeypatch):
+    """``compile_training``'s layers (inductor, ``fallback_random``) call the op inside the compiled graph; the
+    checkpointed recomputation must draw the forward's seeds again (torch's RNG state restored), so the
+    gradients equal those of the same compiled model without checkpointing, bit for bit."""
+    from grpo_patches.compiled_training import enable_compiled_training
+    from tests.helpers import PROJ
+
+    _, lean = _models(0.3)
+    calls = _recording(monkeypatch)
+    results = []
+    for checkpointing in (False, True):
+        model = copy.deepcopy(lean)
+        assert enable_compiled_training(model) == 2
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        calls.clear()
+        results.append(_train_step(model, _ids()))
+        assert len(calls) == (2 if checkpointing else 1) * 2 * len(PROJ), "every projection fused, recomputed once"
+    (logits, grads), (logits_ckpt, grads_ckpt) = results
+    assert torch.equal(logits_ckpt, logits) and grads_ckpt.keys() == grads.keys()
+    assert any("lora_A" in name for name in grads)
+    for name, grad in grads.items():
+        assert torch.equal(grads_ckpt[name], grad), name
