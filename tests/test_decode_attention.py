@@ -14,7 +14,6 @@ kernels into interpreted ones.
 
 from __future__ import annotations
 
-import functools
 import os
 import subprocess
 import sys
@@ -36,27 +35,9 @@ from tests.fastgen_helpers import (  # noqa: F401  (_fresh: autouse)
     lora_policy,
     qwen2_lora_policy,
 )
+from tests.interpreted import interpreted
 
 ROOT = Path(__file__).resolve().parents[1]
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def interpreted(test):
-    """Run ``test`` in a fresh pytest process with ``TRITON_INTERPRET=1`` (here, if this one has it)."""
-
-    @functools.wraps(test)
-    def run():
-        if INTERPRETED:
-            return test()
-        pytest.importorskip("triton", reason="the kernel tests need Triton (the `test` extra installs it)")
-        env = dict(os.environ, TRITON_INTERPRET="1",
-                   PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        node = f"{Path(__file__).relative_to(ROOT)}::{test.__name__}"
-        out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", node], cwd=ROOT,
-                             env=env, capture_output=True, text=True, timeout=600)
-        assert out.returncode == 0 and " passed" in out.stdout, out.stdout[-6000:] + out.stderr[-3000:]
-
-    return run
 
 
 def reference(q, keys, values, key_mask, cache_position, scale):

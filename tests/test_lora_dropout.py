@@ -17,37 +17,13 @@ already, so each kernel test runs itself again in a fresh interpreter with the v
 from __future__ import annotations
 
 import copy
-import functools
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from grpo_patches import lora_dropout as ld
-
-ROOT = Path(__file__).resolve().parents[1]
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def interpreted(test):
-    """Run ``test`` in a fresh pytest process with ``TRITON_INTERPRET=1`` (here, if this one has it)."""
-
-    @functools.wraps(test)
-    def run(*args, **kwargs):  # the test's fixtures (pytest reads the wrapped signature)
-        if INTERPRETED:
-            return test(*args, **kwargs)
-        pytest.importorskip("triton", reason="the kernel tests need Triton (the `test` extra installs it)")
-        env = dict(os.environ, TRITON_INTERPRET="1",
-                   PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        node = f"{Path(__file__).relative_to(ROOT)}::{test.__name__}"
-        out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", node], cwd=ROOT,
-                             env=env, capture_output=True, text=True, timeout=600)
-        assert out.returncode == 0 and " passed" in out.stdout, out.stdout[-6000:] + out.stderr[-3000:]
-
-    return run
+from tests.interpreted import interpreted
 
 
 def reference(x, a, grad_u, seed, p, keep=None):
