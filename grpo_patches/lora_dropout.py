@@ -45,6 +45,7 @@ TILES: tuple[tuple[int, tuple[int, int, int], tuple[int, int, int]], ...] = (
 )
 _AVAILABLE: bool | None = None  # set by available(); read as a plain global by use_kernel (compiled code)
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"  # Triton reads it at its import, as here
+_CHECKED_CUDA = False  # set by a passing check on a CUDA device (prepare): the kernels run there only after one
 
 
 def available() -> bool:
@@ -62,11 +63,13 @@ def available() -> bool:
 
 
 def use_kernel(device: torch.device) -> bool:
-    """Whether the op runs for tensors on ``device``: CUDA with Triton, or CPU in Triton's interpreter
-    (``TRITON_INTERPRET=1``, tests). Reads only globals once :func:`available` has run (compiled callers)."""
+    """Whether the op runs for tensors on ``device``: CUDA with Triton once the kernels passed their check on a
+    CUDA device (:func:`prepare`; a model moved there after its layers were switched keeps PEFT's path), or CPU
+    in Triton's interpreter (``TRITON_INTERPRET=1``, tests). Reads only globals once :func:`available` has run
+    (compiled callers)."""
     ok = _AVAILABLE if _AVAILABLE is not None else available()
     if device.type == "cuda":
-        return ok
+        return ok and _CHECKED_CUDA
     return ok and _INTERPRETED and device.type == "cpu"
 
 
@@ -84,8 +87,10 @@ def prepare(device: torch.device | str | None = None) -> bool:
 
 @functools.cache
 def _check_once(device: torch.device) -> None:
-    global _AVAILABLE
+    global _AVAILABLE, _CHECKED_CUDA
     problem = self_check(device)
+    if not problem and device.type == "cuda":
+        _CHECKED_CUDA = True
     if problem:
         _AVAILABLE = False
         warnings.warn(f"grpo_patches: the fused LoRA dropout kernel failed its check on {device} ({problem}); LoRA "

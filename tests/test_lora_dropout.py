@@ -96,6 +96,14 @@ def test_reference_philox_is_random123s_known_answer_and_the_threshold_rounds_p(
 def test_use_kernel_runs_on_cuda_with_triton_and_on_cpu_only_interpreted_and_no_triton_means_no_op(monkeypatch):
     monkeypatch.setattr(ld, "_AVAILABLE", True)
     monkeypatch.setattr(ld, "_INTERPRETED", False)
+    monkeypatch.setattr(ld, "_CHECKED_CUDA", False)
+    assert not ld.use_kernel(torch.device("cuda", 0)), "CUDA before a passing check on a CUDA device"
+    monkeypatch.setattr(ld, "self_check", lambda device: "")
+    ld._check_once.cache_clear()
+    ld.prepare("cpu")  # a check on the CPU (uninterpreted: none runs) does not clear CUDA
+    assert not ld.use_kernel(torch.device("cuda", 0))
+    ld._check_once(torch.device("cuda", 0))  # as prepare runs it for a model on CUDA
+    ld._check_once.cache_clear()
     assert ld.use_kernel(torch.device("cuda", 0)) and not ld.use_kernel(torch.device("cpu"))
     monkeypatch.setattr(ld, "_INTERPRETED", True)
     assert ld.use_kernel(torch.device("cpu")) and not ld.use_kernel(torch.device("meta"))
