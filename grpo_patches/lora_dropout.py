@@ -80,8 +80,9 @@ def prepare(device: torch.device | str | None = None) -> bool:
     with one warning, so PEFT's dropout runs. Whether the op is available."""
     if available():
         _op()
-        if device is not None and use_kernel(torch.device(device)):
-            _check_once(torch.device(device))
+        device = None if device is None else torch.device(device)
+        if device is not None and (device.type == "cuda" or (_INTERPRETED and device.type == "cpu")):
+            _check_once(device)
     return bool(_AVAILABLE)
 
 
