@@ -121,11 +121,16 @@ def _fused_adapter(module: nn.Module, x: Any, args: tuple, kwargs: dict) -> str 
 def adapter_input(module: nn.Module, name: str, x: torch.Tensor) -> torch.Tensor:
     """PEFT's ``lora_A(dropout(x))`` for adapter ``name`` of the LoRA ``Linear`` ``module`` (its input cast
     included), as one op where the lean layer fuses it (see the module docstring)."""
+    if _fuses(module, name, x):
+        return _fused_input(module, name, x)
     lora_a = module.lora_A[name]
-    if not _fuses(module, name, x):
-        return lora_a(module.lora_dropout[name](module._cast_input_dtype(x, lora_a.weight.dtype)))
+    return lora_a(module.lora_dropout[name](module._cast_input_dtype(x, lora_a.weight.dtype)))
+
+
+def _fused_input(module: nn.Module, name: str, x: torch.Tensor) -> torch.Tensor:
+    """The fused op's ``lora_A(dropout(x))``, where :func:`_fuses` holds (checked by the caller)."""
     seed = torch.randint(0, 2**31 - 1, (1,), device=x.device)  # torch's generator: manual_seed, checkpointing
-    return lora_dropout.dropout_lora_a(x, lora_a.weight, module.lora_dropout[name].p, seed)
+    return lora_dropout.dropout_lora_a(x, module.lora_A[name].weight, module.lora_dropout[name].p, seed)
 
 
 def _lean_subclass(linear: type) -> type:
@@ -144,7 +149,7 @@ def _lean_subclass(linear: type) -> type:
         if name is None:
             return linear.forward(self, x, *args, **kwargs)
         result = self.base_layer(x)
-        u = adapter_input(self, name, x)
+        u = _fused_input(self, name, x)  # _fused_adapter has checked _fuses
         return (result + self.lora_B[name](u) * self.scaling[name]).to(result.dtype)
 
     return same_name_subclass(linear, _lean_subclass, {"_cast_input_dtype": _cast_input_dtype, "forward": forward,
