@@ -6,13 +6,14 @@
 #   POLICY=tiny COMPLETIONS=8 GEN_BATCH=8 MICRO=4 CAP=0 bash benchmarks/grid_rows.sh   # CPU: the code path
 #
 # A row is VARIANT or ENV=VALUE[,ENV=VALUE]:VARIANT (the environment only for that row, e.g. BENCH_PICK=gumbel,
-# BENCH_REWARD_MODEL_ROWS=0, BENCH_FUSED_GATE_UP=0; see bench_grpo.py). Rows with an environment write to their
+# BENCH_REWARD_MODEL_ROWS=0, BENCH_FUSED_GATE_UP=0; see bench_grpo.py; MICRO and GRAD_CKPT there set the row's
+# micro-batch and gradient checkpointing, e.g. MICRO=8,GRAD_CKPT=off:stock). Rows with an environment write to their
 # own folder under OUT (their variant name is the same). Each row gets what is left of BUDGET_S, less a minute for
 # the driver's own start, as its --probe-timeout; a row that would get less than MIN_ROW_S is skipped. Each row's
 # step lines are printed when it ends (a call cut short still shows what finished), every folder's report at the end.
 #
 # Env (defaults): ROWS ("patched-speed stock"), POLICY (1.5b), COMPLETIONS (1024), GEN_BATCH (1024), MICRO (128),
-# CAP (24; 0: no cap), WARMUP (2), STEPS (2), BUDGET_S (560), MIN_ROW_S (120), OUT (/tmp/grid-rows), PYTHON (python3).
+# GRAD_CKPT (on), CAP (24; 0: no cap), WARMUP (2), STEPS (2), BUDGET_S (560), MIN_ROW_S (120), OUT (/tmp/grid-rows), PYTHON (python3).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -21,6 +22,7 @@ POLICY=${POLICY:-1.5b}
 COMPLETIONS=${COMPLETIONS:-1024}
 GEN_BATCH=${GEN_BATCH:-1024}
 MICRO=${MICRO:-128}
+GRAD_CKPT=${GRAD_CKPT:-on}
 CAP=${CAP:-24}
 WARMUP=${WARMUP:-2}
 STEPS=${STEPS:-2}
@@ -46,6 +48,10 @@ for row in $ROWS; do
   variant=${row##*:}
   envs=""
   [ "$row" != "$variant" ] && envs=${row%:*}
+  micro=$MICRO ckpt=$GRAD_CKPT
+  for kv in ${envs//,/ }; do
+    case $kv in MICRO=*) micro=${kv#MICRO=} ;; GRAD_CKPT=*) ckpt=${kv#GRAD_CKPT=} ;; esac
+  done
   folder="$OUT/${envs:-default}"
   folder=${folder//[^A-Za-z0-9_\/.-]/_}
   left=$(( BUDGET_S - ($(date +%s) - start) - DRIVER_S ))
@@ -55,8 +61,8 @@ for row in $ROWS; do
   echo "[grid_rows] $(date +%T) $row: --probe-timeout $left"
   # shellcheck disable=SC2086  # envs is a comma list of NAME=VALUE, split on purpose
   env ${envs//,/ } timeout $(( left + DRIVER_S )) "$PY" benchmarks/bench_grpo.py --grid --policy "$POLICY" \
-    --completions-per-step "$COMPLETIONS" --grid-generation-batches "$GEN_BATCH" --grid-micro-batches "$MICRO" \
-    "${cap[@]}" --grid-variants "$variant" --warmup "$WARMUP" --steps "$STEPS" --probe-timeout "$left" \
+    --completions-per-step "$COMPLETIONS" --grid-generation-batches "$GEN_BATCH" --grid-micro-batches "$micro" \
+    --grad-ckpt "$ckpt" "${cap[@]}" --grid-variants "$variant" --warmup "$WARMUP" --steps "$STEPS" --probe-timeout "$left" \
     --out "$folder" 2>&1 | grep -E "^\[bench|tokens/s" | cut -c1-200
   grep -h "step [0-9]*/" "$folder"/grid/log-* 2>/dev/null | cut -c1-200 | tail -4
 done
