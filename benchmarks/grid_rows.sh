@@ -6,8 +6,8 @@
 #   POLICY=tiny COMPLETIONS=8 GEN_BATCH=8 MICRO=4 CAP=0 bash benchmarks/grid_rows.sh   # CPU: the code path
 #
 # A row is VARIANT or ENV=VALUE[,ENV=VALUE]:VARIANT (the environment only for that row, e.g. BENCH_PICK=gumbel,
-# BENCH_REWARD_MODEL_ROWS=0, BENCH_FUSED_GATE_UP=0; see bench_grpo.py; MICRO and GRAD_CKPT there set the row's
-# micro-batch and gradient checkpointing, e.g. MICRO=8,GRAD_CKPT=off:stock). Rows with an environment write to their
+# BENCH_REWARD_MODEL_ROWS=0, BENCH_FUSED_GATE_UP=0; see bench_grpo.py; MICRO, GRAD_CKPT, WARMUP and STEPS there
+# set the row's micro-batch, gradient checkpointing and step counts, e.g. MICRO=8,GRAD_CKPT=off,WARMUP=1:stock). Rows with an environment write to their
 # own folder under OUT (their variant name is the same). Each row gets what is left of BUDGET_S, less a minute for
 # the driver's own start, as its --probe-timeout; a row that would get less than MIN_ROW_S is skipped. Each row's
 # step lines are printed when it ends (a call cut short still shows what finished), every folder's report at the end.
@@ -48,9 +48,12 @@ for row in $ROWS; do
   variant=${row##*:}
   envs=""
   [ "$row" != "$variant" ] && envs=${row%:*}
-  micro=$MICRO ckpt=$GRAD_CKPT
+  micro=$MICRO ckpt=$GRAD_CKPT warmup=$WARMUP steps=$STEPS
   for kv in ${envs//,/ }; do
-    case $kv in MICRO=*) micro=${kv#MICRO=} ;; GRAD_CKPT=*) ckpt=${kv#GRAD_CKPT=} ;; esac
+    case $kv in
+      MICRO=*) micro=${kv#MICRO=} ;; GRAD_CKPT=*) ckpt=${kv#GRAD_CKPT=} ;;
+      WARMUP=*) warmup=${kv#WARMUP=} ;; STEPS=*) steps=${kv#STEPS=} ;;
+    esac
   done
   folder="$OUT/${envs:-default}"
   folder=${folder//[^A-Za-z0-9_\/.-]/_}
@@ -62,7 +65,7 @@ for row in $ROWS; do
   # shellcheck disable=SC2086  # envs is a comma list of NAME=VALUE, split on purpose
   env ${envs//,/ } timeout $(( left + DRIVER_S )) "$PY" benchmarks/bench_grpo.py --grid --policy "$POLICY" \
     --completions-per-step "$COMPLETIONS" --grid-generation-batches "$GEN_BATCH" --grid-micro-batches "$micro" \
-    --grad-ckpt "$ckpt" "${cap[@]}" --grid-variants "$variant" --warmup "$WARMUP" --steps "$STEPS" --probe-timeout "$left" \
+    --grad-ckpt "$ckpt" "${cap[@]}" --grid-variants "$variant" --warmup "$warmup" --steps "$steps" --probe-timeout "$left" \
     --out "$folder" 2>&1 | grep -E "^\[bench|tokens/s" | cut -c1-200
   grep -h "step [0-9]*/" "$folder"/grid/log-* 2>/dev/null | cut -c1-200 | tail -4
 done
