@@ -54,7 +54,7 @@ def test_reward_faults_fail_every_rank(kinds, bad_rank, placement):
             assert all(m in err for m in MESSAGES[kind]), (kind, describe(results))
             assert f"rank {bad_rank}" in err and "flaky_reward" in err, (kind, err)
             bound = TIMEOUT + (GRACE if kind == "regex" else 0.0) + SLACK
-            assert got["seconds"] < bound, (kind, got["seconds"], err)
+            assert got["seconds"] < bound, (kind, got["seconds"], err, describe(results))
     if "regex" in kinds:
         stuck, peer = results[bad_rank], results[1 - bad_rank]
         assert peer.returncode == 3 and peer.data["faults"]["regex"]["error"].startswith("RankLostError"), describe(results)
