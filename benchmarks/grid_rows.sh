@@ -7,13 +7,15 @@
 #
 # A row is VARIANT or ENV=VALUE[,ENV=VALUE]:VARIANT (the environment only for that row, e.g. BENCH_PICK=gumbel,
 # BENCH_REWARD_MODEL_ROWS=0, BENCH_FUSED_GATE_UP=0; see bench_grpo.py; MICRO, GRAD_CKPT, WARMUP and STEPS there
-# set the row's micro-batch, gradient checkpointing and step counts, e.g. MICRO=8,GRAD_CKPT=off,WARMUP=1:stock). Rows with an environment write to their
-# own folder under OUT (their variant name is the same). Each row gets what is left of BUDGET_S, less a minute for
-# the driver's own start, as its --probe-timeout; a row that would get less than MIN_ROW_S is skipped. Each row's
-# step lines are printed when it ends (a call cut short still shows what finished), every folder's report at the end.
+# set the row's micro-batch, gradient checkpointing and step counts, e.g. MICRO=8,GRAD_CKPT=off,WARMUP=1:stock).
+# Rows with an environment write to their own folder under OUT (their variant name is the same). Each row gets what
+# is left of BUDGET_S, less a minute for the driver's own start, as its --probe-timeout; a row that would get less
+# than MIN_ROW_S is skipped. Each row's step lines are printed when it ends (a call cut short still shows what
+# finished), every folder's report at the end.
 #
 # Env (defaults): ROWS ("patched-speed stock"), POLICY (1.5b), COMPLETIONS (1024), GEN_BATCH (1024), MICRO (128),
-# GRAD_CKPT (on), CAP (24; 0: no cap), WARMUP (2), STEPS (2), BUDGET_S (560), MIN_ROW_S (120), OUT (/tmp/grid-rows), PYTHON (python3).
+# GRAD_CKPT (on), CAP (24; 0: no cap), WARMUP (2), STEPS (2), BUDGET_S (560), MIN_ROW_S (120), OUT (/tmp/grid-rows),
+# PYTHON (python3).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -65,7 +67,8 @@ for row in $ROWS; do
   # shellcheck disable=SC2086  # envs is a comma list of NAME=VALUE, split on purpose
   env ${envs//,/ } timeout $(( left + DRIVER_S )) "$PY" benchmarks/bench_grpo.py --grid --policy "$POLICY" \
     --completions-per-step "$COMPLETIONS" --grid-generation-batches "$GEN_BATCH" --grid-micro-batches "$micro" \
-    --grad-ckpt "$ckpt" "${cap[@]}" --grid-variants "$variant" --warmup "$warmup" --steps "$steps" --probe-timeout "$left" \
+    --grad-ckpt "$ckpt" "${cap[@]}" --grid-variants "$variant" --warmup "$warmup" --steps "$steps" \
+    --probe-timeout "$left" \
     --out "$folder" 2>&1 | grep -E "^\[bench|tokens/s" | cut -c1-200
   grep -h "step [0-9]*/" "$folder"/grid/log-* 2>/dev/null | cut -c1-200 | tail -4
 done
