@@ -50,13 +50,6 @@ for row in $ROWS; do
   variant=${row##*:}
   envs=""
   [ "$row" != "$variant" ] && envs=${row%:*}
-  micro=$MICRO ckpt=$GRAD_CKPT warmup=$WARMUP steps=$STEPS
-  for kv in ${envs//,/ }; do
-    case $kv in
-      MICRO=*) micro=${kv#MICRO=} ;; GRAD_CKPT=*) ckpt=${kv#GRAD_CKPT=} ;;
-      WARMUP=*) warmup=${kv#WARMUP=} ;; STEPS=*) steps=${kv#STEPS=} ;;
-    esac
-  done
   folder="$OUT/${envs:-default}"
   folder=${folder//[^A-Za-z0-9_\/.-]/_}
   left=$(( BUDGET_S - ($(date +%s) - start) - DRIVER_S ))
@@ -64,12 +57,14 @@ for row in $ROWS; do
     echo "[grid_rows] skipping $row: ${left}s of the budget left"; continue
   fi
   echo "[grid_rows] $(date +%T) $row: --probe-timeout $left"
-  # shellcheck disable=SC2086  # envs is a comma list of NAME=VALUE, split on purpose
-  env ${envs//,/ } timeout $(( left + DRIVER_S )) "$PY" benchmarks/bench_grpo.py --grid --policy "$POLICY" \
-    --completions-per-step "$COMPLETIONS" --grid-generation-batches "$GEN_BATCH" --grid-micro-batches "$micro" \
-    --grad-ckpt "$ckpt" "${cap[@]}" --grid-variants "$variant" --warmup "$warmup" --steps "$steps" \
-    --probe-timeout "$left" \
-    --out "$folder" 2>&1 | grep -E "^\[bench|tokens/s" | cut -c1-200
+  (  # the row's environment: bench_grpo.py's switches and this script's MICRO, GRAD_CKPT, WARMUP, STEPS
+    # shellcheck disable=SC2086  # envs is a comma list of NAME=VALUE, split on purpose
+    [ -z "$envs" ] || export ${envs//,/ }
+    timeout $(( left + DRIVER_S )) "$PY" benchmarks/bench_grpo.py --grid --policy "$POLICY" \
+      --completions-per-step "$COMPLETIONS" --grid-generation-batches "$GEN_BATCH" --grid-micro-batches "$MICRO" \
+      --grad-ckpt "$GRAD_CKPT" "${cap[@]}" --grid-variants "$variant" --warmup "$WARMUP" --steps "$STEPS" \
+      --probe-timeout "$left" --out "$folder" 2>&1 | grep -E "^\[bench|tokens/s" | cut -c1-200
+  )
   grep -h "step [0-9]*/" "$folder"/grid/log-* 2>/dev/null | cut -c1-200 | tail -4
 done
 report
