@@ -51,7 +51,8 @@ of its inverse-CDF sample, ``BENCH_FUSED_GATE_UP=0`` the compiled layers with PE
 the lean layers with PEFT's LoRA dropout and ``lora_A`` (not the fused op), ``BENCH_DROPOUT_TILES`` the fused
 op's tiles (``lora_dropout.TILES`` as JSON),
 ``BENCH_DOWN_LAST=0`` with the down projection's base matmul inside their graph (recomputed with checkpointing),
-``BENCH_GC_FREEZE=1`` Python's collector frozen (``gc.freeze()``) after the warm-up steps, ``BENCH_KEEP_CACHE=1``
+``BENCH_PLAIN_LAYERS=n`` the last n decoder layers without gradient checkpointing (their activations kept,
+no recomputation), ``BENCH_GC_FREEZE=1`` Python's collector frozen (``gc.freeze()``) after the warm-up steps, ``BENCH_KEEP_CACHE=1``
 the fast generation emptying the allocator's cache only where the last capture's pool does not fit (not also where
 a quarter of the allowed memory is not left), ``BENCH_CAPTURE_SYNC=1`` the capture waiting for the device before
 it records the round's graph (where it records while the device still runs the prefill), ``BENCH_PREFILL_ALL=1``
@@ -749,6 +750,8 @@ def run_variant(args, variant: str, round_idx: int, ctx: dict[str, Any]) -> dict
     rm_local = any(isinstance(f, torch.nn.Module) for f in trainer.reward_funcs)
     distributed = str(trainer.accelerator.distributed_type).split(".")[-1]  # NO / MULTI_GPU / FSDP / ...
     timer.instrument(trainer)
+    if os.environ.get("BENCH_PLAIN_LAYERS"):
+        _plain_layers(trainer.model, int(os.environ["BENCH_PLAIN_LAYERS"]), rank)
     build_s = time.perf_counter() - t_build
     from torch._dynamo.utils import counters
 
@@ -798,6 +801,31 @@ def run_variant(args, variant: str, round_idx: int, ctx: dict[str, Any]) -> dict
                             args.per_device_batch * (args.steps_per_generation or args.grad_accum),
                             ctx["prompt_tokens"], args.completion_len, args.grad_ckpt == "on", args.num_generations),
     }
+
+
+def _plain_layers(model, n: int, rank: int) -> None:
+    """``BENCH_PLAIN_LAYERS=n``: the last ``n`` decoder layers without gradient checkpointing, also after TRL turns it
+    off for sampling and on again (``disable_gradient_checkpointing``): each model's ``_set_gradient_checkpointing``
+    leaves them off once it has run."""
+    from transformers import PreTrainedModel
+
+    from grpo_patches.compiled_training import decoder_layers
+
+    layers = decoder_layers(model)[-n:] if n else []
+
+    def wrapped(original):
+        def set_checkpointing(*args, **kwargs):
+            original(*args, **kwargs)
+            for layer in layers:
+                layer.gradient_checkpointing = False
+        return set_checkpointing
+
+    for module in model.modules():
+        if isinstance(module, PreTrainedModel):
+            module._set_gradient_checkpointing = wrapped(module._set_gradient_checkpointing)
+    for layer in layers:
+        layer.gradient_checkpointing = False
+    log(f"the last {len(layers)} of {len(decoder_layers(model))} decoder layers without checkpointing", rank)
 
 
 def _capture_after_waiting() -> None:
