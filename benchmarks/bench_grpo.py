@@ -176,14 +176,21 @@ POLICIES: dict[str, dict[str, Any]] = {
 REWARD_MODEL = {"0.5b": "0.5b", "1.5b": "0.5b", "tiny": "tiny"}  # reward model shape per policy
 
 
-#: H200 ceilings measured on these machines (KINDS.md): bf16 matmul rate, HBM bandwidth (datasheet 4.8 TB/s;
-#: a device copy moved ~4.3 TB/s counting read + write)
+#: Hopper ceilings: the bf16 matmul rate measured on these machines (788 TFLOP/s on an H200, 798 on an H100, an
+#: 8192^3 product), and the HBM bandwidth of the datasheet per device (a device copy moved ~4.3 and ~3.0 TB/s).
 PEAK_BF16_FLOPS = 790e12
-HBM_BYTES_PER_S = 4.8e12
+HBM_BYTES_PER_S = 4.8e12  # H200; the default where the device is not known
+_HBM_BY_DEVICE = {"H100": 3.35e12, "H200": 4.8e12}
+
+
+def hbm_bytes_per_s(device: str | None) -> float:
+    """The HBM bandwidth of the floor for ``device`` (a CUDA device name): an H100's decode reads take 1.4x an
+    H200's. Unknown names get the H200's."""
+    return next((bw for name, bw in _HBM_BY_DEVICE.items() if name in (device or "")), HBM_BYTES_PER_S)
 
 
 def floor_estimate(policy: str, batch: int, prompt_len: int, completion_len: int, grad_ckpt: bool,
-                   dtype_bytes: int = 2, group: int = 1) -> dict[str, float]:
+                   dtype_bytes: int = 2, group: int = 1, hbm: float = HBM_BYTES_PER_S) -> dict[str, float]:
     """The least time one GRPO step on one GPU can take, from the model shapes: the matmul FLOPs of the
     prefill (once per distinct prompt: ``group`` completions share one), the reward model's forward, the loss's
     forward, the checkpointed recomputation and the backward (activation gradients only: the base is frozen,
@@ -214,7 +221,7 @@ def floor_estimate(policy: str, batch: int, prompt_len: int, completion_len: int
     kv_bytes = 2 * pol["layers"] * pol["kvdim"] * dtype_bytes * batch * (seq / 2)  # mean cache filled
     step_bytes = pol["weights"] + kv_bytes
     step_flops = fwd(pol, batch, seq / 2, batch)
-    decode_s = completion_len * max(step_bytes / HBM_BYTES_PER_S, step_flops / PEAK_BF16_FLOPS)
+    decode_s = completion_len * max(step_bytes / hbm, step_flops / PEAK_BF16_FLOPS)
     return {"floor_s": compute_s + decode_s, "floor_compute_s": compute_s, "floor_decode_s": decode_s,
             # the phases' own floors: sampling (prefill + decode), the reward model, the training passes
             "floor_generate_s": prefill / PEAK_BF16_FLOPS + decode_s, "floor_rewards_s": reward / PEAK_BF16_FLOPS,
@@ -224,11 +231,12 @@ def floor_estimate(policy: str, batch: int, prompt_len: int, completion_len: int
 
 
 def step_floor(policy: str, completions: int, generation_batch: int, prompt_len: int, completion_len: int,
-               grad_ckpt: bool, group: int = 1) -> dict[str, float]:
+               grad_ckpt: bool, group: int = 1, device: str | None = None) -> dict[str, float]:
     """``floor_estimate`` for an optimizer step of ``completions`` per rank generated ``generation_batch`` at a
     time: the step's FLOPs do not depend on the layout, its decode reads repeat once per generation round
     (``completions / generation_batch`` rounds), so a smaller generation batch has a higher floor."""
-    one = floor_estimate(policy, generation_batch, prompt_len, completion_len, grad_ckpt, group=group)
+    one = floor_estimate(policy, generation_batch, prompt_len, completion_len, grad_ckpt, group=group,
+                         hbm=hbm_bytes_per_s(device))
     rounds = completions / generation_batch
     return {k: (v * rounds if k != "prompt_len" else v) for k, v in one.items()}
 
@@ -799,7 +807,8 @@ def run_variant(args, variant: str, round_idx: int, ctx: dict[str, Any]) -> dict
         "timed_steps": derived, "summary": summary, "trainable_params": trainable, **mem,
         "floor": step_floor(args.policy, args.per_device_batch * args.grad_accum,
                             args.per_device_batch * (args.steps_per_generation or args.grad_accum),
-                            ctx["prompt_tokens"], args.completion_len, args.grad_ckpt == "on", args.num_generations),
+                            ctx["prompt_tokens"], args.completion_len, args.grad_ckpt == "on", args.num_generations,
+                            torch.cuda.get_device_name() if cuda else None),
     }
 
 
@@ -937,7 +946,7 @@ def worker(args) -> int:
             fl = rec["floor"]
             log(f"{variant} floor: {fl['floor_s']:.3f} s per step ({fl['floor_flops'] / 1e12:.1f} TFLOP at "
                 f"{PEAK_BF16_FLOPS / 1e12:.0f} TFLOP/s, {fl['floor_decode_bytes'] / 1e9:.0f} GB of decode reads at "
-                f"{HBM_BYTES_PER_S / 1e12:.1f} TB/s); measured {s.get('median', float('nan')) / fl['floor_s']:.2f}x "
+                f"{hbm_bytes_per_s(rec.get('device')) / 1e12:.2f} TB/s); measured {s.get('median', float('nan')) / fl['floor_s']:.2f}x "
                 f"the floor", rank)
             for r_ in range(world):  # every rank's memory, in rank order
                 barrier(world)
@@ -1253,7 +1262,7 @@ def grid_phase_table(out: Path) -> str:
         fl = step_floor(rec["policy"], rec["per_device_batch"] * rec["grad_accum"],
                         rec["per_device_batch"] * (rec["steps_per_generation"] or rec["grad_accum"]),
                         rec["floor"]["prompt_len"], rec["completion_len"], rec["grad_ckpt"] == "on",
-                        rec.get("num_generations", 1))
+                        rec.get("num_generations", 1), rec.get("device"))
         m = {k: statistics.median(st[k] for st in steps) for k in ("step_s", "generate_s", "rewards_s")}
         m["training_s"] = statistics.median(st["loss_backward_s"] for st in steps)
         m["other_s"] = statistics.median(st["score_other_s"] + st["prepare_other_s"] + st["other_s"] for st in steps)
