@@ -820,7 +820,8 @@ def _plain_layers(model, n: int, rank: int) -> None:
 
     from grpo_patches.compiled_training import decoder_layers
 
-    layers = decoder_layers(model)[-n:] if n else []
+    every = decoder_layers(model)
+    layers = every[-n:] if n else []
 
     def wrapped(original):
         def set_checkpointing(*args, **kwargs):
@@ -834,7 +835,7 @@ def _plain_layers(model, n: int, rank: int) -> None:
             module._set_gradient_checkpointing = wrapped(module._set_gradient_checkpointing)
     for layer in layers:
         layer.gradient_checkpointing = False
-    log(f"the last {len(layers)} of {len(decoder_layers(model))} decoder layers without checkpointing", rank)
+    log(f"the last {len(layers)} of {len(every)} decoder layers without checkpointing", rank)
 
 
 def _capture_after_waiting() -> None:
