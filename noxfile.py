@@ -18,6 +18,8 @@ torch is never part of the pinned set), then installs TRL and
 its pinned transformers / accelerate / peft / datasets with every other dependency capped at the
 day after that TRL release (``uv pip install --exclude-newer``: the same era-true resolve the table
 was made with), then this repo (editable, no deps) and the test tools.
+The matrix and fork sessions run their tests through one fixed path, ``.nox/.session`` (a link to the
+session's venv), with bytecode under ``.nox/.pycache``: files the releases share compile once (``_stable_run``).
 
 Environment variables:
     GRPO_PATCHES_TORCH       torch to install: a wheel path or a requirement (default: the local
@@ -139,9 +141,36 @@ def _versions(session: nox.Session) -> None:
     )
 
 
+def _stable_run(session: nox.Session, command: list[str], env: dict[str, str]) -> None:
+    """Run ``command`` with the session's Python reached through one fixed path, ``.nox/.session`` (a link
+    to this session's venv), and every bytecode file kept under ``.nox/.pycache``. Python keys a cached
+    ``.pyc`` by the source's path and checks it against the source's mtime and size; uv links each file from
+    its cache, so a file every release shares (numpy, pandas, a repeated transformers or peft pin, this repo)
+    is compiled once for the whole matrix instead of once per session (~2-3 s of a session on 2 cores). A file
+    that differs was linked from another cache entry, with its own mtime, and is compiled again. While another
+    nox process holds the link, the session runs from its own path, without the shared bytecode."""
+    import fcntl
+
+    with open(ROOT / ".nox" / ".session.lock", "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            session.log("another nox process holds .nox/.session: this session compiles its own bytecode")
+            session.run(*command, env=env)
+            return
+        link = ROOT / ".nox" / ".session"
+        link.unlink(missing_ok=True)
+        link.symlink_to(Path(session.virtualenv.location).resolve(), target_is_directory=True)
+        python = str(link / "bin" / "python")
+        if command[0] == "python":
+            command = [python, *command[1:]]
+        elif command[0] == "pytest":
+            command = [python, "-m", *command]
+        session.run(*command, env={**env, "PYTHONPYCACHEPREFIX": str(ROOT / ".nox" / ".pycache")}, external=True)
+
+
 def _run(session: nox.Session, trl: str) -> None:
-    command = session.posargs or list(DEFAULT_COMMAND)
-    session.run(*command, env={"GRPO_PATCHES_TRL_VERSION": trl})
+    _stable_run(session, session.posargs or list(DEFAULT_COMMAND), {"GRPO_PATCHES_TRL_VERSION": trl})
 
 
 def _matrix_session(trl: str, row: dict[str, str]) -> None:
@@ -203,7 +232,7 @@ def _fork_session(trl: str, row: dict[str, str]) -> None:
                     "--patch", f"patches/trl-{trl}.patch", "--apply-only")
         # posargs: any other command in the patched venv instead of the matrix
         command = session.posargs or ["python", "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "tests/matrix"]
-        session.run(*command, env={"GRPO_PATCHES_TRL_VERSION": trl, "GRPO_PATCHES_MATRIX_MODE": "fork"})
+        _stable_run(session, command, {"GRPO_PATCHES_TRL_VERSION": trl, "GRPO_PATCHES_MATRIX_MODE": "fork"})
 
     fork.__doc__ = (f"TRL {trl} with patches/grpo_rank_local.patch + trl-{trl}.patch applied, grpo_patches not "
                     "installed: tests/matrix (I1-I6) in fork mode")

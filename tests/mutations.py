@@ -5,7 +5,7 @@ guard it, and fail if any mutation survives.
     python tests/mutations.py --only chunk-size-ignored,group-ids-zero
     python tests/mutations.py --list
     python tests/mutations.py --stale         # only those whose record is missing or stale; updates it
-    python tests/mutations.py --ci --sample 3 # CI: every record fresh, and a rotating sample run again
+    python tests/mutations.py --ci --sample 3 --sample-seconds 60   # CI: every record fresh, a rotating sample again
     nox -s mutations                          # the same, in the newest release's pinned environment
 
 Why a small script and not mutmut: the bugs worth planting here are specific (a chunk size ignored,
@@ -29,8 +29,9 @@ file, its guard test files and the modules of tests/ they use, and the TRL relea
 The record is committed. ``--stale`` runs only the entries whose record is missing or whose key changed and
 writes the new records; the suite (``tests/test_mutation_list.py``) fails while any record is missing or stale,
 so a change to a target or a guard is re-proven before it lands. ``--ci`` runs nothing stale (it fails on a
-missing or stale record) and re-runs a rotating sample (``--sample N``, by the UTC day) so that a record that
-no longer holds is caught within a few days; the full run stays one command.
+missing or stale record) and re-runs a rotating sample (``--sample N``, by the UTC day; ``--sample-seconds S``
+bounds its recorded guard time) so that a record that no longer holds is caught within weeks; the full run stays
+one command.
 """
 
 from __future__ import annotations
@@ -151,14 +152,25 @@ def stale(entries: list[dict], record: dict[str, dict]) -> list[str]:
     return [e["id"] for e in entries if record.get(e["id"], {}).get("key") != key(e)]
 
 
-def rotating_sample(entries: list[dict], n: int, day: int | None = None) -> list[dict]:
-    """``n`` entries, a different window of the sorted list each UTC day, so every entry comes round."""
+def rotating_sample(entries: list[dict], n: int, day: int | None = None,
+                    seconds: dict[str, float] | None = None, budget: float | None = None) -> list[dict]:
+    """One window of the sorted list a UTC day, in turn, so every entry comes round: windows of at most ``n``
+    entries, cut before their recorded guard time (``seconds`` by id) would pass ``budget`` seconds, a window's
+    first entry taken whatever its time. The budget keeps CI's step near its mean: the slowest guards take a
+    minute or more, three of them together several."""
     if n <= 0 or not entries:
         return []
-    ordered = sorted(entries, key=lambda e: e["id"])
+    windows: list[list[dict]] = [[]]
+    spent = 0.0
+    for entry in sorted(entries, key=lambda e: e["id"]):
+        cost = (seconds or {}).get(entry["id"], 0.0)
+        if windows[-1] and (len(windows[-1]) == n or (budget is not None and spent + cost > budget)):
+            windows.append([])
+            spent = 0.0
+        windows[-1].append(entry)
+        spent += cost
     day = datetime.datetime.now(datetime.timezone.utc).toordinal() if day is None else day
-    start = (day * n) % len(ordered)
-    return [ordered[(start + i) % len(ordered)] for i in range(min(n, len(ordered)))]
+    return windows[day % len(windows)]
 
 
 def make_copy(entry: dict | None) -> Path:
@@ -219,6 +231,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="fail on any missing or stale record; run only the rotating sample (--sample)")
     parser.add_argument("--sample", type=int, default=0, metavar="N",
                         help="also run N entries whose record is fresh, a different window each UTC day")
+    parser.add_argument("--sample-seconds", type=float, default=None, metavar="S",
+                        help="cut the sample's window before the guards' recorded seconds pass S (its first entry "
+                        "always runs)")
     parser.add_argument("--no-record", action="store_true", help=f"leave {RECORD.name} as it is")
     args = parser.parse_args(argv)
     entries = load()
@@ -239,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     elif args.stale or args.ci:
         chosen = [e for e in entries if e["id"] in behind]
         fresh = [e for e in entries if e["id"] not in behind]
-        chosen += rotating_sample(fresh, args.sample)
+        seconds = {name: r.get("seconds", 0.0) for name, r in record.items()}
+        chosen += rotating_sample(fresh, args.sample, seconds=seconds, budget=args.sample_seconds)
     else:
         chosen = entries
     if args.list:

@@ -52,9 +52,28 @@ def test_the_key_follows_the_target_the_guards_and_the_entry(tmp_path):
     assert mutations.key({**entry, "replace": entry["replace"] + " "}, tmp_path) != before
 
 
+def _windows(n: int, **budget) -> list[tuple[str, ...]]:
+    """Each day's sample until it repeats the first day's."""
+    out: list[tuple[str, ...]] = []
+    for day in range(10 * len(ENTRIES)):
+        window = tuple(e["id"] for e in mutations.rotating_sample(ENTRIES, n, day, **budget))
+        if out and window == out[0]:
+            return out
+        out.append(window)
+    raise AssertionError("the sample never came back to its first window")
+
+
 def test_the_rotating_sample_comes_round_to_every_entry():
-    n = 3
-    days = -(-len(ENTRIES) // n)
-    seen = [e["id"] for day in range(days) for e in mutations.rotating_sample(ENTRIES, n, day)]
-    assert set(seen) == {e["id"] for e in ENTRIES}
-    assert len(mutations.rotating_sample(ENTRIES, n)) == n
+    windows = _windows(3)
+    assert [i for w in windows for i in w] == sorted(e["id"] for e in ENTRIES), "each entry once, in order"
+    assert all(len(w) == 3 for w in windows[:-1])
+
+
+def test_the_samples_recorded_time_stays_in_its_budget_and_every_entry_still_comes_round():
+    seconds = {name: r["seconds"] for name, r in mutations.read_record().items()}
+    windows = _windows(3, seconds=seconds, budget=60.0)
+    assert [i for w in windows for i in w] == sorted(e["id"] for e in ENTRIES), "each entry once, in order"
+    for w, after in zip(windows, windows[1:], strict=False):
+        assert 1 <= len(w) <= 3 and (len(w) == 1 or sum(seconds[i] for i in w) <= 60.0), w
+        assert len(w) == 3 or sum(seconds[i] for i in (*w, after[0])) > 60.0, f"{w} could have taken {after[0]}"
+    assert len(windows) > -(-len(ENTRIES) // 3), "the budget cut no window: the lock's slowest guards take minutes"
