@@ -11,7 +11,7 @@ with a random (nonzero) B, batch 8, 256 new tokens (every row runs to the end: m
   and buffer kept between calls (``graph_kept``), and with inductor's combo kernels (``graph_combo``),
   coordinate-descent tuning (``graph_cdt``) or GEMM autotuning with fused prologues / epilogues
   (``graph_autotune``) for the fused step. Reports ms per decode step, its multiple of the
-  floor (every weight and the full static cache read once per step at 4.8 TB/s), the first compiled
+  floor (every weight and the full static cache read once per step at the GPU's HBM bandwidth), the first compiled
   call (compilation), recompilations over later calls with other prompt lengths, and the merged
   buffer's size and allocations. The graph loop does not implement ``min_new_tokens``, so its
   rows run to the end through ``eos_token_id=[]`` instead (the same number of decode steps); a
@@ -56,13 +56,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_grpo import POLICIES as GRPO_POLICIES  # noqa: E402
-from bench_grpo import kernel_table  # noqa: E402
+from bench_grpo import hbm_bytes_per_s, kernel_table  # noqa: E402
 
 from grpo_patches import generation  # noqa: E402
 from grpo_patches.generation import FastGenerationConfig, fast_generate  # noqa: E402
 from grpo_patches.targets.trl_generation import enable_fast_generation  # noqa: E402
 
-H200_BYTES_PER_S = 4.8e12
 # bench_grpo's Qwen2.5-like shapes; the CPU smoke model ties its embeddings, as the real ones do
 POLICIES = {**GRPO_POLICIES, "tiny": {**GRPO_POLICIES["tiny"], "tie_word_embeddings": True}}
 PAD, EOS, BOS = 0, 1, 2
@@ -116,12 +115,14 @@ def merged_bytes(model) -> int:
 
 def floor_ms(model, batch: int, cache_len: int) -> tuple[float, float]:
     """HBM floor of one decode step: every weight read once (the LoRA factors are counted too), and
-    the full static cache's K and V (the attention reads the whole padded cache)."""
+    the full static cache's K and V (the attention reads the whole padded cache), at the model's GPU's
+    bandwidth (``bench_grpo.hbm_bytes_per_s``)."""
+    bandwidth = hbm_bytes_per_s(torch.cuda.get_device_name() if torch.cuda.is_available() else None)
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     cfg = model.config
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * cache_len * batch * 2  # bf16 K and V
-    return params / H200_BYTES_PER_S * 1e3, kv / H200_BYTES_PER_S * 1e3
+    return params / bandwidth * 1e3, kv / bandwidth * 1e3
 
 
 #: the sampler's temperature and top-p (``--temperature`` / ``--top-p``; GRPOConfig's defaults: 1.0, 1.0)
