@@ -151,22 +151,23 @@ def _stable_run(session: nox.Session, command: list[str], env: dict[str, str]) -
     nox process holds the link, the session runs from its own path, without the shared bytecode."""
     import fcntl
 
-    with open(ROOT / ".nox" / ".session.lock", "w") as lock:
+    venv = Path(session.virtualenv.location).resolve()
+    with open(venv.parent / ".session.lock", "w") as lock:  # nox's envdir: .nox unless --envdir says otherwise
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             session.log("another nox process holds .nox/.session: this session compiles its own bytecode")
             session.run(*command, env=env)
             return
-        link = ROOT / ".nox" / ".session"
+        link = venv.parent / ".session"
         link.unlink(missing_ok=True)
-        link.symlink_to(Path(session.virtualenv.location).resolve(), target_is_directory=True)
+        link.symlink_to(venv, target_is_directory=True)
         python = str(link / "bin" / "python")
         if command[0] == "python":
             command = [python, *command[1:]]
         elif command[0] == "pytest":
             command = [python, "-m", *command]
-        session.run(*command, env={**env, "PYTHONPYCACHEPREFIX": str(ROOT / ".nox" / ".pycache")}, external=True)
+        session.run(*command, env={**env, "PYTHONPYCACHEPREFIX": str(venv.parent / ".pycache")}, external=True)
 
 
 def _run(session: nox.Session, trl: str) -> None:
