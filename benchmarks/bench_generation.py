@@ -117,7 +117,8 @@ def floor_ms(model, batch: int, cache_len: int) -> tuple[float, float]:
     """HBM floor of one decode step: every weight read once (the LoRA factors are counted too), and
     the full static cache's K and V (the attention reads the whole padded cache), at the model's GPU's
     bandwidth (``bench_grpo.hbm_bytes_per_s``)."""
-    bandwidth = hbm_bytes_per_s(torch.cuda.get_device_name() if torch.cuda.is_available() else None)
+    device = next(model.parameters()).device
+    bandwidth = hbm_bytes_per_s(torch.cuda.get_device_name(device) if device.type == "cuda" else None)
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     cfg = model.config
     head_dim = cfg.hidden_size // cfg.num_attention_heads
