@@ -152,14 +152,14 @@ def _stable_run(session: nox.Session, command: list[str], env: dict[str, str]) -
     import fcntl
 
     venv = Path(session.virtualenv.location).resolve()
-    with open(venv.parent / ".session.lock", "w") as lock:  # nox's envdir: .nox unless --envdir says otherwise
+    link = venv.parent / ".session"  # in nox's envdir: .nox unless --envdir says otherwise
+    with open(venv.parent / ".session.lock", "w") as lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            session.log("another nox process holds .nox/.session: this session compiles its own bytecode")
+            session.log(f"another nox process holds {link}: this session compiles its own bytecode")
             session.run(*command, env=env)
             return
-        link = venv.parent / ".session"
         link.unlink(missing_ok=True)
         link.symlink_to(venv, target_is_directory=True)
         python = str(link / "bin" / "python")
