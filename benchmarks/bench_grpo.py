@@ -51,7 +51,8 @@ of its inverse-CDF sample, ``BENCH_FUSED_GATE_UP=0`` the compiled layers with PE
 the lean layers with PEFT's LoRA dropout and ``lora_A`` (not the fused op), ``BENCH_DROPOUT_TILES`` the fused
 op's tiles (``lora_dropout.TILES`` as JSON),
 ``BENCH_DOWN_LAST=0`` with the down projection's base matmul inside their graph (recomputed with checkpointing),
-``BENCH_PLAIN_LAYERS=n`` the last n decoder layers without gradient checkpointing (their activations kept,
+``BENCH_SHARED_PROMPT=0`` the decode attention kernel reading every row's own copy of its prompt's slots (not the
+prompt's first row's), ``BENCH_PLAIN_LAYERS=n`` the last n decoder layers without gradient checkpointing (their activations kept,
 no recomputation), ``BENCH_GC_FREEZE=1`` Python's collector frozen (``gc.freeze()``) after the warm-up steps, ``BENCH_KEEP_CACHE=1``
 the fast generation emptying the allocator's cache only where the last capture's pool does not fit (not also where
 a quarter of the allowed memory is not left), ``BENCH_CAPTURE_SYNC=1`` the capture waiting for the device before
@@ -689,6 +690,10 @@ def run_variant(args, variant: str, round_idx: int, ctx: dict[str, Any]) -> dict
         from grpo_patches import rewards
 
         rewards.REWARD_MODEL_ROWS = int(os.environ["BENCH_REWARD_MODEL_ROWS"])
+    if os.environ.get("BENCH_SHARED_PROMPT") == "0":  # every row's decode attention reads its own prompt slots
+        from grpo_patches.generation import fused_loop
+
+        fused_loop.SHARE_PROMPT = False
     if os.environ.get("BENCH_FUSED_DROPOUT") == "0":  # lean LoRA layers with PEFT's dropout and lora_A
         from grpo_patches import lora_dropout
 

@@ -15,7 +15,9 @@ with a 384-slot cache and the new token at slot 64 + {16, 128, 255} (a 64-token 
 The kernel's time grows with the position and the matmul path's does not: the average over positions
 64..319 is interpolated from the three, and the smallest batch whose best kernel average beats the matmul
 path is the candidate for ``decode_attention.KERNEL_MIN_BATCH``. ``--tiny`` runs both on CPU (the kernel
-interpreted, no CUDA graph, eager timings that mean nothing) to smoke-test the script.
+interpreted, no CUDA graph, eager timings that mean nothing) to smoke-test the script. ``--group G`` also times
+the kernel (``shared_kernel_*``) on the same caches with each run of G rows holding one prompt's slots and
+reading them from the run's first row (GRPO's G completions of a prompt).
 """
 
 from __future__ import annotations
@@ -132,8 +134,19 @@ def average_over(prompt: int, new: int, points: dict[int, float]) -> float:
     return sum(at(p) for p in range(prompt, prompt + new)) / new
 
 
+def share_prompt(args: tuple, group: int, prompt: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Make each run of ``group`` rows of ``inputs``' caches hold its first row's ``prompt`` slots (a prompt's G
+    completions, prefilled once); returns the kernel's ``source`` and ``shared_slots``."""
+    q, keys, values, key_mask, position, _ = args
+    source = torch.arange(q.shape[0], device=q.device) // group * group
+    keys[:, :, :prompt] = keys[source, :, :prompt]
+    values[:, :, :prompt] = values[source, :, :prompt]
+    key_mask[:, :prompt] = key_mask[source, :prompt]
+    return source, torch.tensor([prompt], device=q.device)
+
+
 def bench(device: str, tiny: bool, configs: tuple = CONFIGS, batches: tuple = (8, 64, 192, 1024),
-          prompt: int = 64) -> dict:
+          prompt: int = 64, group: int = 1) -> dict:
     if tiny:
         batches, layers, (heads, kv_heads, dim), length, prompt, new = (2, 4), 2, (4, 2, 16), 48, 8, 32
         dtype, timer, configs, compiled = torch.float32, eager_ms, configs[:2], reference
@@ -147,6 +160,7 @@ def bench(device: str, tiny: bool, configs: tuple = CONFIGS, batches: tuple = (8
     for batch in batches:
         caches = [inputs(batch, heads, kv_heads, dim, length, positions[0], dtype, device, seed=i)
                   for i in range(layers)]
+        shared = [share_prompt(a, group, prompt) for a in caches] if group > 1 else []
         times: dict[str, dict[int, float]] = {}
         for pos in positions:
             for args in caches:
@@ -158,13 +172,18 @@ def bench(device: str, tiny: bool, configs: tuple = CONFIGS, batches: tuple = (8
                     [lambda a=a, bl=block, w=warps, st=stages: attn.decode_attention(*a, block_l=bl, num_warps=w,
                                                                                      num_stages=st)
                      for a in caches])
+                if shared:  # the same caches, each run of ``group`` rows reading the prompt from its first row
+                    row[f"shared_kernel_b{block}_w{warps}" + (f"_s{stages}" if stages else "") + "_ms"] = timer(
+                        [lambda a=a, sh=sh, bl=block, w=warps, st=stages: attn.decode_attention(
+                            *a, block_l=bl, num_warps=w, num_stages=st, source=sh[0], shared_slots=sh[1])
+                         for a, sh in zip(caches, shared, strict=True)])
             for key, value in row.items():
                 if key.endswith("_ms"):
                     times.setdefault(key, {})[pos] = value
             print(json.dumps(row), flush=True)
             rows.append(row)
         averages = {key: average_over(prompt, new, points) for key, points in times.items()}
-        best = min((k for k in averages if k.startswith("kernel")), key=averages.get)
+        best = min((k for k in averages if "kernel" in k), key=averages.get)
         line = {"batch": batch, "average_positions": [prompt, prompt + new - 1],
                 **{f"avg_{k}": round(v, 4) for k, v in averages.items()}, "best_kernel": best,
                 "saving_ms_per_step": round(averages["matmul_ms"] - averages[best], 4)}
@@ -189,6 +208,8 @@ def main() -> int:
                    help="kernel configs BLOCK_LxNUM_WARPSxNUM_STAGES (0 stages: Triton's default), comma list")
     p.add_argument("--batches", default="8,64,192,1024", help="GPU batches, comma list")
     p.add_argument("--prompt", type=int, default=64, help="GPU: prompt tokens before the 256 new ones")
+    p.add_argument("--group", type=int, default=1,
+                   help="also time the kernel with each run of GROUP rows reading the prompt's slots from its first row")
     args = p.parse_args()
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
     if not attn.available():
@@ -211,7 +232,7 @@ def main() -> int:
         else:
             configs = tuple(tuple(int(x) for x in (c.split("x") + ["0"])[:3]) for c in args.configs.split(","))
             result["bench"] = bench(device, args.tiny, configs, tuple(int(b) for b in args.batches.split(",")),
-                                    args.prompt)
+                                    args.prompt, args.group)
     result["seconds"] = round(time.perf_counter() - started, 1)
     print(f"done in {result['seconds']} s", flush=True)
     if args.out:

@@ -3,8 +3,9 @@
 The kernel equals the matmul path's arithmetic (``reference``: QK, fp32 softmax under the key mask and the
 causal bound, probabilities cast to the value dtype, PV) in fp32 over GQA shapes, head sizes, cache lengths
 that are no multiple of the block, positions at the first, middle and last slot and per-row left padding;
-it reads no slot after ``cache_position`` (NaN and huge values there change nothing); a tiny Llama and a
-tiny Qwen2 decode the same tokens and logits through the fused step with the kernel as with the matmuls.
+it reads no slot after ``cache_position`` (NaN and huge values there change nothing); rows of one prompt read
+its slots from the prompt's first row, with the same result; a tiny Llama and a tiny Qwen2 decode the same
+tokens and logits through the fused step with the kernel as with the matmuls, repeated prompts included.
 
 ``TRITON_INTERPRET=1`` must be set before Triton is first imported, and this process may have imported it
 already (``torch._inductor`` does), so each kernel test runs itself again in a fresh interpreter with the
@@ -109,6 +110,56 @@ def test_kernel_reads_no_cache_slot_after_cache_position():
                 assert torch.equal(got, clean), (shape, block, junk)
 
 
+def grouped(rows, group, kv_heads, groups, dim, length, prompt, pos, seed=0):
+    """``inputs`` where each run of ``group`` rows repeats its first row's ``prompt`` slots (keys, values and
+    key mask: one prompt prefilled once, as the prefill copies it), their later slots their own; and the
+    ``source`` of each row (its run's first row)."""
+    q, keys, values, key_mask, position, scale = inputs(rows, kv_heads, groups, dim, length, pos, seed=seed)
+    source = torch.arange(rows) // group * group
+    keys[:, :, :prompt] = keys[source, :, :prompt]
+    values[:, :, :prompt] = values[source, :, :prompt]
+    key_mask[:, :prompt] = key_mask[source, :prompt]
+    return (q, keys, values, key_mask, position, scale), source
+
+
+@interpreted
+def test_rows_of_one_prompt_read_its_slots_from_its_first_row_with_the_same_result():
+    """With ``source`` / ``shared_slots`` a row reads the prompt's slots from its run's first row and every
+    later slot from its own: bit for bit the result of reading its own copy, whatever the other copies hold
+    (NaN there changes nothing with sharing and everything without), and the slots after the prompt still its own."""
+    from grpo_patches.generation.decode_attention import decode_attention
+
+    for rows, group, kv_heads, groups, dim, length, prompt, pos in [(8, 4, 2, 3, 16, 48, 20, 33),
+                                                                    (6, 3, 1, 4, 32, 70, 16, 16),
+                                                                    (4, 2, 2, 2, 16, 40, 17, 39)]:
+        for block in (16, 32):
+            args, source = grouped(rows, group, kv_heads, groups, dim, length, prompt, pos)
+            slots = torch.tensor([prompt])
+            own = decode_attention(*args, block_l=block)
+            assert (own - reference(*args)).abs().max() <= 1e-4
+            assert torch.equal(decode_attention(*args, block_l=block, source=source, shared_slots=slots), own)
+            assert torch.equal(decode_attention(*args, block_l=block, source=source,
+                                                shared_slots=torch.tensor([0])), own)
+            q, keys, values, key_mask, position, scale = args
+            copies = source != torch.arange(rows)
+            k2, v2 = keys.clone(), values.clone()
+            k2[copies, :, :prompt] = float("nan")
+            v2[copies, :, :prompt] = float("nan")
+            poisoned = (q, k2, v2, key_mask, position, scale)
+            got = decode_attention(*poisoned, block_l=block, source=source, shared_slots=slots)
+            assert torch.equal(got, own), (rows, group, prompt, block)
+            assert decode_attention(*poisoned, block_l=block)[copies].isnan().all()
+            # the first rows' later slots are not read for the other rows of their run
+            k3, v3 = keys.clone(), values.clone()
+            k3[~copies, :, prompt:] = float("nan")
+            v3[~copies, :, prompt:] = float("nan")
+            got = decode_attention(q, k3, v3, key_mask, position, scale, block_l=block, source=source,
+                                   shared_slots=slots)
+            assert torch.equal(got[copies], own[copies]) and got[~copies].isnan().all()
+    with pytest.raises(ValueError, match="source and shared_slots together"):
+        decode_attention(*args, source=source)
+
+
 def _decoder_logits(model, kernel):
     """One fused step (eager) over random caches: logits and the caches it wrote."""
     from grpo_patches.generation.fused import FusedDecoder
@@ -134,7 +185,7 @@ def test_fused_step_with_the_kernel_decodes_the_matmul_paths_tokens_and_logits()
     from grpo_patches.generation import decode_attention as attn
 
     launches, launch = [], attn._launch
-    attn._launch = lambda *a: launches.append(1) or launch(*a)  # this process only (a subprocess of the suite)
+    attn._launch = lambda *a: launches.append(a[9:]) or launch(*a)  # this process only (a subprocess of the suite)
     for make in (lora_policy, qwen2_lora_policy):  # Llama; Qwen2 with q/k/v biases; 4 query heads on 2 K/V heads
         model = make()
         with_kernel, keys_k, values_k = _decoder_logits(model, kernel=True)
@@ -147,14 +198,21 @@ def test_fused_step_with_the_kernel_decodes_the_matmul_paths_tokens_and_logits()
         torch._dynamo.reset()  # each model's steps within dynamo's recompile limit
         configs = {setting: (counting, graph_config(counting, check_every=4, decode_attention=setting))
                    for setting, counting in (("kernel", Counting()), ("matmul", Counting()))}
-        for seed, lengths in enumerate(([5, 9, 7, 3], [11, 4, 8, 6])):
+        for seed, lengths in enumerate(([5, 9, 7, 3], [11, 4, 8, 6], [5, 9, 7, 3])):
             ids, mask = batch(lengths, seed=seed)
+            if seed == 2:  # two prompts, each twice (TRL's layout of a prompt's G completions)
+                ids, mask = ids[[1, 1, 2, 2]], mask[[1, 1, 2, 2]]
             tokens = {}
             for setting, (_, config) in configs.items():
                 tokens[setting] = fast_generate(model, ids, mask, generation_config=greedy(), config=config)
                 assert stats.last_reason == "" and stats.attention == setting, (setting, stats.attention)
                 if setting == "kernel":  # the kernel ran, once per layer and new token (the compiled step's op)
                     assert len(launches) >= 2 * 11, len(launches)
+                    # repeated prompts: each row reads the prompt's slots from its first row (else: its own)
+                    source, slots = launches[-1]
+                    want = [0, 0, 2, 2] if seed == 2 else [0, 1, 2, 3]
+                    assert source.tolist() == want and slots.tolist() == [ids.shape[1] if seed == 2 else 0], (
+                        seed, source, slots)
                 launches.clear()
             assert torch.equal(tokens["kernel"], tokens["matmul"]), (make.__name__, lengths)
             assert torch.equal(tokens["kernel"], eager_generate(model, ids, mask)), (make.__name__, lengths)

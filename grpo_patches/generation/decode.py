@@ -167,9 +167,11 @@ def _forward_kwargs(model: nn.Module) -> bool:
 
 
 def _prefill(model: nn.Module, cache: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-             s: _Sampler, max_new: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             s: _Sampler, max_new: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The eager prefill into ``cache``: ``(first sampled token [B], key mask [B, L], the first new
-    token's position [B, 1])``."""
+    token's position [B, 1], source)``; ``source[b]``: the first row of row ``b``'s prompt, whose prompt slots
+    row ``b``'s equal (each distinct prompt prefilled once and copied), or None where every row was prefilled
+    on its own."""
     batch, prompt = input_ids.shape
     device = input_ids.device
     if attention_mask is None:
@@ -189,10 +191,11 @@ def _prefill(model: nn.Module, cache: Any, input_ids: torch.Tensor, attention_ma
     rows = repeated_rows(input_ids, attention_mask)
     logits = None if rows is None else _prefill_distinct(model, cache, input_ids, attention_mask, positions,
                                                          cache_position, rows, extra)
+    source = None if logits is None else rows[0][rows[1]]
     if logits is None:
         logits = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, cache_position=cache_position,
                        past_key_values=cache, use_cache=True, **extra).logits[:, -1, :]
-    return _pick(_warp(logits, s), s), mask, attention_mask.long().sum(-1, keepdim=True)
+    return _pick(_warp(logits, s), s), mask, attention_mask.long().sum(-1, keepdim=True), source
 
 
 def repeated_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -243,7 +246,7 @@ def _graph_decode(model: nn.Module, cache: Any, input_ids: torch.Tensor, attenti
     """Prefill eagerly, then one compiled step of the model's own forward per token."""
     batch, prompt = input_ids.shape
     device = input_ids.device
-    first, mask, position_ids = _prefill(model, cache, input_ids, attention_mask, s, max_new)
+    first, mask, position_ids, _ = _prefill(model, cache, input_ids, attention_mask, s, max_new)
     out = torch.full((batch, max_new), s.pad, dtype=input_ids.dtype, device=device)
     out[:, 0] = first
     tokens = first.view(batch, 1).to(input_ids.dtype)
@@ -335,8 +338,8 @@ def _fused_generate(model: nn.Module, decoder: FusedDecoder, cache: Any, input_i
                     stats: GraphDecodeStats, graphs: dict | None) -> torch.Tensor:
     """The prefill, then the fused step's loop (``fused_loop``); CUDA graphs only on the pool's cache."""
     make_room(graphs, input_ids.device, stats.fused)
-    first, mask, positions = _prefill(model, cache, input_ids, attention_mask, s, max_new)
+    first, mask, positions, source = _prefill(model, cache, input_ids, attention_mask, s, max_new)
     out, steps = fused_decode(model, decoder, cache, first, mask, positions, input_ids.shape[1], s, max_new, config,
-                              stats.fused, graphs)
+                              stats.fused, graphs, source)
     stats.steps += steps
     return _finish(input_ids, out, s, max_new, stats)

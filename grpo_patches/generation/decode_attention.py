@@ -9,6 +9,13 @@ it loads the head's query group (padded to 16 rows for ``tl.dot``), walks the ca
 in fp32, casts the probabilities to the value dtype before the PV product as the matmul path does,
 and writes the heads' outputs as ``[B, heads * D]``.
 
+GRPO samples G completions of each prompt, so G rows hold the same prompt in their first slots (prefilled
+once, copied to each). Given each row's ``source`` (the first row of its prompt), the kernel reads those
+slots from the source row for every row of the group: the same values, so the same result, but the rows of a
+group run side by side and the copies after the first come from the L2 cache instead of HBM. The prompt's
+share of the reads is ``prompt / (prompt + position)``: a third on average for 64-token prompts and 256 new
+tokens, most of them for long prompts.
+
 It is a torch custom op (``grpo_patches::decode_attention``; in a fork's copy of this module the
 fork's top package names it, so both can be imported in one process), registered at its first use, so the
 compiled step treats it as one opaque call and the fused loop's CUDA-graph capture records it. Triton is optional: this module
@@ -20,6 +27,7 @@ for CPU tensors only then.
 
 import functools
 import os
+from typing import Optional
 
 import torch
 
@@ -74,10 +82,11 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def _decode_attn(q_ptr, k_ptr, v_ptr, mask_ptr, pos_ptr, o_ptr, L, scale,
+    def _decode_attn(q_ptr, k_ptr, v_ptr, mask_ptr, pos_ptr, src_ptr, slots_ptr, o_ptr, L, scale,
                      stride_qb, stride_kb, stride_kh, stride_kl, stride_vb, stride_vh, stride_vl, stride_mb,
                      stride_ob, GROUPS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-                     BLOCK_L: tl.constexpr, GROUP_PAD: tl.constexpr, PRECISION: tl.constexpr):
+                     BLOCK_L: tl.constexpr, GROUP_PAD: tl.constexpr, PRECISION: tl.constexpr,
+                     SHARED: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)
         g = tl.arange(0, GROUP_PAD)
@@ -91,12 +100,20 @@ def _kernel():
         m = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
         total = tl.zeros((GROUP_PAD,), tl.float32)
         acc = tl.zeros((GROUP_PAD, D_PAD), tl.float32)
-        base_k = k_ptr + b * stride_kb + h * stride_kh
-        base_v = v_ptr + b * stride_vb + h * stride_vh
+        if SHARED:  # slots before ``n_shared`` are read from row ``src`` (the same prompt's keys and values)
+            src = tl.load(src_ptr + b)
+            n_shared = tl.load(slots_ptr)
         for start in range(0, pos + 1, BLOCK_L):  # the filled slots only: the bound is read on the device
             ls = start + tl.arange(0, BLOCK_L)
             live = (ls <= pos) & (ls < L)  # causal: no slot after the new token's is read
-            k = tl.load(base_k + ls[:, None] * stride_kl + d[None, :], mask=live[:, None] & d_ok[None, :], other=0.0)
+            if SHARED:
+                row = tl.where(ls < n_shared, src, b).to(tl.int64)[:, None]
+                at_k = k_ptr + row * stride_kb + h * stride_kh + ls[:, None] * stride_kl + d[None, :]
+                at_v = v_ptr + row * stride_vb + h * stride_vh + ls[:, None] * stride_vl + d[None, :]
+            else:
+                at_k = k_ptr + b * stride_kb + h * stride_kh + ls[:, None] * stride_kl + d[None, :]
+                at_v = v_ptr + b * stride_vb + h * stride_vh + ls[:, None] * stride_vl + d[None, :]
+            k = tl.load(at_k, mask=live[:, None] & d_ok[None, :], other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale  # [GROUP_PAD, BLOCK_L]
             keep = tl.load(mask_ptr + b * stride_mb + ls, mask=live, other=0) != 0
             s = tl.where(keep[None, :], s, float("-inf"))
@@ -105,7 +122,7 @@ def _kernel():
             alpha = tl.exp(m - m_safe)
             p = tl.exp(s - m_safe[:, None])
             total = total * alpha + tl.sum(p, axis=1)
-            v = tl.load(base_v + ls[:, None] * stride_vl + d[None, :], mask=live[:, None] & d_ok[None, :], other=0.0)
+            v = tl.load(at_v, mask=live[:, None] & d_ok[None, :], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
             m = m_new
         out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
@@ -116,7 +133,8 @@ def _kernel():
 
 
 def _launch(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_mask: torch.Tensor,
-            cache_position: torch.Tensor, scale: float, block_l: int, num_warps: int, num_stages: int = 0) -> torch.Tensor:
+            cache_position: torch.Tensor, scale: float, block_l: int, num_warps: int, num_stages: int = 0,
+            source: torch.Tensor | None = None, shared_slots: torch.Tensor | None = None) -> torch.Tensor:
     if q.device.type == "cpu" and not interpreted():
         raise RuntimeError("decode_attention: CPU tensors run in Triton's interpreter only (TRITON_INTERPRET=1 "
                            "set before Triton is imported)")
@@ -131,13 +149,15 @@ def _launch(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_mask:
     if key_mask.stride(1) != 1:
         key_mask = key_mask.contiguous()
     out = torch.empty(batch, q.shape[1], dtype=q.dtype, device=q.device)
+    shared = source is not None and shared_slots is not None
     _kernel()[(batch, kv_heads)](
-        q, keys, values, key_mask, cache_position, out, length, scale,
+        q, keys, values, key_mask, cache_position, source if shared else cache_position,
+        shared_slots if shared else cache_position, out, length, scale,
         q.stride(0), keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1),
         values.stride(2), key_mask.stride(0), out.stride(0),
         GROUPS=groups, D=dim, D_PAD=max(16, 1 << (dim - 1).bit_length()), BLOCK_L=block_l,
         GROUP_PAD=max(GROUP_PAD, 1 << (groups - 1).bit_length()),
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SHARED=shared, num_warps=num_warps,
         **({"num_stages": num_stages} if num_stages else {}))  # 0: Triton's default
     return out
 
@@ -148,11 +168,14 @@ def _op():
 
     @torch.library.custom_op(f"{_NAMESPACE}::decode_attention", mutates_args=())
     def op(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_mask: torch.Tensor,
-           cache_position: torch.Tensor, scale: float, block_l: int, num_warps: int, num_stages: int) -> torch.Tensor:
-        return _launch(q, keys, values, key_mask, cache_position, scale, block_l, num_warps, num_stages)
+           cache_position: torch.Tensor, scale: float, block_l: int, num_warps: int, num_stages: int,
+           source: Optional[torch.Tensor], shared_slots: Optional[torch.Tensor]) -> torch.Tensor:  # noqa: UP045
+        # (``Optional``: the schema inference of older torch releases does not read ``X | None``)
+        return _launch(q, keys, values, key_mask, cache_position, scale, block_l, num_warps, num_stages, source,
+                       shared_slots)
 
     @op.register_fake
-    def _(q, keys, values, key_mask, cache_position, scale, block_l, num_warps, num_stages):
+    def _(q, keys, values, key_mask, cache_position, scale, block_l, num_warps, num_stages, source, shared_slots):
         return q.new_empty(q.shape)
 
     global _OP
@@ -165,7 +188,8 @@ _OP = None  # the registered op (set by _op(): the compiled step reads this glob
 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_mask: torch.Tensor,
                      cache_position: torch.Tensor, scale: float, block_l: int = 64,
-                     num_warps: int = 4, num_stages: int = 0) -> torch.Tensor:
+                     num_warps: int = 4, num_stages: int = 0, source: torch.Tensor | None = None,
+                     shared_slots: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one new token per row over the static cache, slots ``0 .. cache_position`` only.
 
     ``q``: ``[B, heads * D]`` (or any shape of ``B`` rows in that order, e.g. the fused step's
@@ -174,8 +198,15 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     token's slot. Query head ``j`` reads K/V head ``j // (heads / kv_heads)``. Returns ``[B, heads * D]``
     in ``q``'s dtype: ``softmax(q k^T * scale)`` in fp32, cast to the value dtype, times ``v``.
     ``block_l``, ``num_warps``, ``num_stages`` (0: Triton's default): the launch's settings, which
-    ``benchmarks/decode_attention.py --configs`` times.
+    ``benchmarks/decode_attention.py --configs`` times. ``source`` (``[B]`` integer) and ``shared_slots`` (``[1]``
+    integer), both or neither: row ``b`` reads slots ``0 .. shared_slots - 1`` from row ``source[b]``'s cache instead of
+    its own; the caller vouches that they hold the same keys and values there (a prompt's G copies, prefilled
+    once). The result is the same; the reads of one prompt's slots come from one place, which rows running
+    side by side then find in the L2 cache.
     """
     q = q.reshape(q.shape[0], -1)
     op = _OP if _OP is not None else _op()
-    return op(q, keys, values, key_mask, cache_position, float(scale), int(block_l), int(num_warps), int(num_stages))
+    if (source is None) != (shared_slots is None):
+        raise ValueError("decode_attention: pass source and shared_slots together, or neither")
+    return op(q, keys, values, key_mask, cache_position, float(scale), int(block_l), int(num_warps), int(num_stages),
+              source, shared_slots)

@@ -192,13 +192,16 @@ def matmul_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
 def fused_forward(shape: DecoderShape, embed: torch.Tensor, layers: list[tuple], norm: torch.Tensor,
                   head: torch.Tensor, rotary: nn.Module, keys: list[torch.Tensor], values: list[torch.Tensor],
                   tokens: torch.Tensor, position_ids: torch.Tensor, cache_position: torch.Tensor,
-                  key_mask: torch.Tensor, kernel: bool = False) -> torch.Tensor:
+                  key_mask: torch.Tensor, kernel: bool = False,
+                  shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Logits ``[batch, vocab]`` of one new token per row; writes its K/V at ``cache_position``.
 
     ``key_mask[b, l]``: cache slot ``l`` holds a real token of row ``b`` (left padding is 0); slots
     after ``cache_position`` are masked here (the causal part). ``kernel``: attend with
     :func:`~grpo_patches.generation.decode_attention.decode_attention` (the caller checks that it runs
-    there: :func:`~grpo_patches.generation.decode_attention.use_kernel`), else with the matmuls.
+    there: :func:`~grpo_patches.generation.decode_attention.use_kernel`), else with the matmuls. ``shared``:
+    the kernel's ``(source, shared_slots)``, rows reading a prompt's slots from its first row (the matmul path
+    reads every row's own: the same values).
     """
     batch = tokens.shape[0]
     x = F.embedding(tokens, embed)  # [B, 1, h]
@@ -218,7 +221,9 @@ def fused_forward(shape: DecoderShape, embed: torch.Tensor, layers: list[tuple],
         keys[i].index_copy_(2, cache_position, k)
         values[i].index_copy_(2, cache_position, v)
         if kernel:  # the same arithmetic over slots 0 .. cache_position only
-            attn = decode_attention(q, keys[i], values[i], key_mask, cache_position, scale).view(batch, 1, q_size)
+            source, slots = shared if shared is not None else (None, None)
+            attn = decode_attention(q, keys[i], values[i], key_mask, cache_position, scale, source=source,
+                                    shared_slots=slots).view(batch, 1, q_size)
         else:
             attn = matmul_attention(q, keys[i], values[i], bias, scale).view(batch, 1, q_size)
         x = x + _linear(attn, o)

@@ -53,9 +53,10 @@ class FusedLoopStats:
 
 def _make_token_step(s: Sampler, shape: DecoderShape, kernel: bool = False) -> Callable:
     def fused_token_step(embed, layers, norm, head, rotary, keys, values, tokens, position_ids, cache_position,
-                         key_mask, unfinished, out, t):
+                         key_mask, unfinished, out, t, source, shared_slots):
         logits = fused_forward(shape, embed, layers, norm, head, rotary, keys, values, tokens, position_ids,
-                               cache_position, key_mask, kernel=kernel)
+                               cache_position, key_mask, kernel=kernel,
+                               shared=(source, shared_slots) if kernel else None)
         nxt = pick(warp(logits, s), s)
         nxt = torch.where(unfinished, nxt, torch.full_like(nxt, s.pad))
         out.index_copy_(1, t, nxt.view(-1, 1).to(out.dtype))
@@ -67,6 +68,10 @@ def _make_token_step(s: Sampler, shape: DecoderShape, kernel: bool = False) -> C
 
     return fused_token_step
 
+
+#: Rows of one prompt read its slots from its first row in the attention kernel (benchmarks switch it off to
+#: compare); off, every row reads its own copy.
+SHARE_PROMPT = True
 
 _STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {key: compiled token step}
 _FAILED = ("capture failed",)  # key in the pool's graphs: a capture over these caches failed
@@ -98,7 +103,7 @@ def _token_step(model: Any, s: Sampler, shape: DecoderShape, config: FastGenerat
 class _Captured:
     """The state tensors one captured graph reads and writes, and the graph."""
 
-    state: tuple  # tokens, position_ids, cache_position, key_mask, unfinished, out, t
+    state: tuple  # tokens, position_ids, cache_position, key_mask, unfinished, out, t, source, shared_slots
     graph: Any = None
     addresses: tuple = ()
     pool_bytes: int = 0  # what the last capture reserved (its private pool)
@@ -120,10 +125,14 @@ def _flat(args: tuple) -> list[torch.Tensor]:
 
 def fused_decode(model: Any, decoder: FusedDecoder, cache: Any, first: torch.Tensor, key_mask: torch.Tensor,
                  position_ids: torch.Tensor, prompt: int, s: Sampler, max_new: int, config: FastGenerationConfig,
-                 stats: FusedLoopStats, graphs: dict | None) -> tuple[torch.Tensor, int]:
+                 stats: FusedLoopStats, graphs: dict | None,
+                 source: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
     """Decode tokens 1 .. max_new-1 after the prefill's ``first``; returns ``(out [B, >= max_new], steps run)``.
 
     ``graphs``: where captured graphs live between calls (the cache pool's), or None to capture none.
+    ``source``: for each row, a row whose cache holds the same ``prompt`` slots (the prefill wrote one prompt's
+    keys and values to each of its rows), which the attention kernel then reads for all of them; None: each row
+    reads its own.
     """
     batch = first.shape[0]
     device = first.device
@@ -146,11 +155,13 @@ def fused_decode(model: Any, decoder: FusedDecoder, cache: Any, first: torch.Ten
                  torch.empty(batch, keys[0].shape[2], dtype=torch.bool, device=device),
                  torch.empty(batch, dtype=torch.bool, device=device),
                  torch.empty(batch, width, dtype=torch.long, device=device),
+                 torch.empty(1, dtype=torch.long, device=device),
+                 torch.empty(batch, dtype=torch.long, device=device),
                  torch.empty(1, dtype=torch.long, device=device))
         entry = _Captured(state)
         if use_graph:
             graphs[entry_key] = entry
-    tokens, positions, cache_position, mask, unfinished, out, t = entry.state
+    tokens, positions, cache_position, mask, unfinished, out, t, rows, shared_slots = entry.state
     tokens.copy_(first.view(batch, 1))
     positions.copy_(position_ids)
     cache_position.fill_(prompt)
@@ -159,7 +170,14 @@ def fused_decode(model: Any, decoder: FusedDecoder, cache: Any, first: torch.Ten
     out.fill_(s.pad)
     out[:, 0] = first
     t.fill_(1)
-    args = (*decoder.args, keys, values, tokens, positions, cache_position, mask, unfinished, out, t)
+    shared = source is not None and SHARE_PROMPT
+    if shared:
+        rows.copy_(source)
+    else:
+        torch.arange(batch, out=rows)
+    shared_slots.fill_(prompt if shared else 0)
+    args = (*decoder.args, keys, values, tokens, positions, cache_position, mask, unfinished, out, t, rows,
+            shared_slots)
     stats.calls += 1
     done = 0
     if use_graph:
