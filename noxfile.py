@@ -18,8 +18,9 @@ torch is never part of the pinned set), then installs TRL and
 its pinned transformers / accelerate / peft / datasets with every other dependency capped at the
 day after that TRL release (``uv pip install --exclude-newer``: the same era-true resolve the table
 was made with), then this repo (editable, no deps) and the test tools.
-The matrix and fork sessions run their tests through one fixed path, ``.nox/.session`` (a link to the
-session's venv), with bytecode under ``.nox/.pycache``: files the releases share compile once (``_stable_run``).
+The matrix and fork sessions run their tests through one fixed path, ``<envdir>/.session`` (a link to the
+session's venv; nox's envdir, ``.nox`` by default), with bytecode under ``<envdir>/.pycache``: files the
+releases share compile once (``_stable_run``).
 
 Environment variables:
     GRPO_PATCHES_TORCH       torch to install: a wheel path or a requirement (default: the local
@@ -142,8 +143,8 @@ def _versions(session: nox.Session) -> None:
 
 
 def _stable_run(session: nox.Session, command: list[str], env: dict[str, str]) -> None:
-    """Run ``command`` with the session's Python reached through one fixed path, ``.nox/.session`` (a link
-    to this session's venv), and every bytecode file kept under ``.nox/.pycache``. Python keys a cached
+    """Run ``command`` with the session's Python reached through one fixed path, ``<envdir>/.session`` (a link
+    to this session's venv), and every bytecode file kept under ``<envdir>/.pycache``. Python keys a cached
     ``.pyc`` by the source's path and checks it against the source's mtime and size; uv links each file from
     its cache, so a file every release shares (numpy, pandas, a repeated transformers or peft pin, this repo)
     is compiled once for the whole matrix instead of once per session (~2-3 s of a session on 2 cores). A file
