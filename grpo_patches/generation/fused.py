@@ -210,6 +210,7 @@ def fused_forward(shape: DecoderShape, embed: torch.Tensor, layers: list[tuple],
     bias = None if kernel else attention_bias(key_mask, cache_position, x.dtype)  # once per token, not per layer
     q_size, kv_size = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     scale = shape.head_dim ** -0.5
+    source, slots = shared if shared is not None else (None, None)
     for i, (ln1, qkv, o, ln2, gate_up, down) in enumerate(layers):
         h = _rms(x, ln1, shape.eps)
         q, k, v = _linear(h, qkv).split([q_size, kv_size, kv_size], dim=-1)
@@ -221,7 +222,6 @@ def fused_forward(shape: DecoderShape, embed: torch.Tensor, layers: list[tuple],
         keys[i].index_copy_(2, cache_position, k)
         values[i].index_copy_(2, cache_position, v)
         if kernel:  # the same arithmetic over slots 0 .. cache_position only
-            source, slots = shared if shared is not None else (None, None)
             attn = decode_attention(q, keys[i], values[i], key_mask, cache_position, scale, source=source,
                                     shared_slots=slots).view(batch, 1, q_size)
         else:

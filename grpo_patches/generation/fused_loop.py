@@ -161,7 +161,7 @@ def fused_decode(model: Any, decoder: FusedDecoder, cache: Any, first: torch.Ten
         entry = _Captured(state)
         if use_graph:
             graphs[entry_key] = entry
-    tokens, positions, cache_position, mask, unfinished, out, t, rows, shared_slots = entry.state
+    tokens, positions, cache_position, mask, unfinished, out, t, source_rows, shared_slots = entry.state
     tokens.copy_(first.view(batch, 1))
     positions.copy_(position_ids)
     cache_position.fill_(prompt)
@@ -172,11 +172,11 @@ def fused_decode(model: Any, decoder: FusedDecoder, cache: Any, first: torch.Ten
     t.fill_(1)
     shared = source is not None and SHARE_PROMPT
     if shared:
-        rows.copy_(source)
+        source_rows.copy_(source)
     else:
-        torch.arange(batch, out=rows)
+        torch.arange(batch, out=source_rows)
     shared_slots.fill_(prompt if shared else 0)
-    args = (*decoder.args, keys, values, tokens, positions, cache_position, mask, unfinished, out, t, rows,
+    args = (*decoder.args, keys, values, tokens, positions, cache_position, mask, unfinished, out, t, source_rows,
             shared_slots)
     stats.calls += 1
     done = 0
