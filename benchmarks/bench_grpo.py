@@ -42,7 +42,7 @@ Profiles of one timed method (e.g. ``training_step``) into ``BENCH_PROFILE_DIR``
 its Python call tree (cProfile), ``BENCH_KERNELS=name[,name]`` their CUDA kernels by kind and by name (the
 last call's, ``kernels-<name>-<variant>-rank<r>.json``; a call inside another profiled one, such as sampling
 inside a training step, runs unprofiled), ``BENCH_TRACE=name[,name]`` a host + device timeline of its first
-timed call (a gzipped Chrome trace, ``trace-<name>-<variant>-rank<r>.json.gz``, with Python stacks where
+timed call (``step``: the first timed step, all of it) (a gzipped Chrome trace, ``trace-<name>-<variant>-rank<r>.json.gz``, with Python stacks where
 ``BENCH_TRACE_STACK`` names it; open it in Perfetto; a training step's is one after that step's sampling;
 ``benchmarks/trace_gaps.py`` lists its device idle gaps). All three slow the profiled calls: profile in a run of its own, not in the one whose step times
 are reported. ``BENCH_REWARD_MODEL_ROWS=n`` sets the kit's reward-model forward size (``rewards.REWARD_MODEL_ROWS``;
@@ -53,7 +53,7 @@ op's tiles (``lora_dropout.TILES`` as JSON),
 ``BENCH_DOWN_LAST=0`` with the down projection's base matmul inside their graph (recomputed with checkpointing),
 ``BENCH_SHARED_PROMPT=0`` the decode attention kernel reading every row's own copy of its prompt's slots (not the
 prompt's first row's), ``BENCH_PLAIN_LAYERS=n`` the last n decoder layers without gradient checkpointing (their activations kept,
-no recomputation), ``BENCH_GC_FREEZE=1`` Python's collector frozen (``gc.freeze()``) after the warm-up steps, ``BENCH_KEEP_CACHE=1``
+no recomputation), ``BENCH_NAN_FILTER=0`` the Trainer's ``logging_nan_inf_filter`` off (its per-micro-batch check of the loss waits for the device), ``BENCH_GC_FREEZE=1`` Python's collector frozen (``gc.freeze()``) after the warm-up steps, ``BENCH_KEEP_CACHE=1``
 the fast generation emptying the allocator's cache only where the last capture's pool does not fit (not also where
 a quarter of the allowed memory is not left), ``BENCH_CAPTURE_SYNC=1`` the capture waiting for the device before
 it records the round's graph (where it records while the device still runs the prefill), ``BENCH_PREFILL_ALL=1``
@@ -425,7 +425,34 @@ class StepTimer:
         self.phase_sync = os.environ.get("BENCH_SYNC") != "step"  # step: only the steps' ends wait for the device
         self.peak = 0  # the run's peak allocated bytes, folded in before each phase's reset of the counter
         self._gc_t0 = 0.0
+        # BENCH_TRACE=step: the first timed step's timeline ([] until it starts, then [profiler, region])
+        self.step_trace: list | None = [] if "step" in os.environ.get("BENCH_TRACE", "").split(",") else None
         gc.callbacks.append(self._gc)  # the collector's pauses inside each step (gc_s, gc_full)
+
+    def start_step_trace(self) -> None:
+        """``BENCH_TRACE=step``: a host + device timeline of the first timed step, all of it (the phases' own
+        traces skip their calls inside it: torch.profiler does not nest)."""
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+        prof = profile(activities=activities)
+        prof.__enter__()
+        region = torch.profiler.record_function("bench/step")
+        region.__enter__()
+        self.step_trace.extend([prof, region])
+        _TRACING.append("step")
+
+    def stop_step_trace(self) -> None:
+        prof, region = self.step_trace
+        region.__exit__(None, None, None)
+        prof.__exit__(None, None, None)
+        _TRACING.clear()
+        out = Path(os.environ.get("BENCH_PROFILE_DIR", "."))
+        out.mkdir(parents=True, exist_ok=True)
+        raw = out / f"trace-step-{self.label.replace('#', '_')}-rank{self.rank}.json"
+        prof.export_chrome_trace(str(raw))
+        subprocess.run(["gzip", "-f", str(raw)], check=False)
 
     def _gc(self, phase: str, info: dict) -> None:
         if phase == "start":
@@ -443,6 +470,9 @@ class StepTimer:
         class _Cb(TrainerCallback):
             def on_step_begin(self, args, state, control, **kwargs):
                 timer.sync()
+                if (timer.step_trace is not None and not timer.step_trace and not _TRACING
+                        and len(timer.steps) >= timer.warmup):
+                    timer.start_step_trace()
                 now = time.perf_counter()
                 if timer.steps and timer.last_begin is not None:
                     timer.steps[-1]["cycle_s"] = now - timer.last_begin  # begin to next begin (with logging)
@@ -455,6 +485,8 @@ class StepTimer:
                 if cur is None:
                     return
                 cur["step_s"] = time.perf_counter() - cur.pop("t0")
+                if timer.step_trace and _TRACING == ["step"]:
+                    timer.stop_step_trace()
                 timer.steps.append(cur)
                 timer.cur = None
                 d = derive(cur)
@@ -744,6 +776,9 @@ def run_variant(args, variant: str, round_idx: int, ctx: dict[str, Any]) -> dict
         max_steps=total_steps, gradient_checkpointing=args.grad_ckpt == "on",
         bf16=cuda, use_cpu=not cuda, report_to=[], save_strategy="no", logging_steps=1,
         disable_tqdm=True, seed=args.seed, dataloader_num_workers=0, **config_overrides,
+        # BENCH_NAN_FILTER=0: the Trainer's check of each micro-batch's loss for NaN / inf (a device wait
+        # between micro-batches) off
+        **({"logging_nan_inf_filter": False} if os.environ.get("BENCH_NAN_FILTER") == "0" else {}),
     )
     lora = lora_config()  # the kit's pinned LoRA: r16, alpha 32, dropout 0.05, all seven projections
     label = f"{variant}#{round_idx}"
