@@ -8,6 +8,10 @@ cover the most idle time in all (an event's share: its overlap with the idle gap
 in each of their ancestors).
 
     python benchmarks/trace_gaps.py trace-_generate-patched-speed_0-rank0.json.gz --top 25 --out gaps.json
+
+``--phases`` instead cuts the region at the ``bench/`` annotations inside it (a whole step's trace,
+``BENCH_TRACE=step``, holds one per timed phase) and prints each piece's wall and device busy time, then the
+totals per phase and for the time between them.
 """
 
 from __future__ import annotations
@@ -43,7 +47,8 @@ def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
 
 def region(events: list[dict], name: str | None) -> tuple[float, float]:
     """The traced call: the ``bench/<name>`` annotation (the longest ``bench/`` one), else all host events."""
-    marks = [e for e in events if str(e.get("name", "")).startswith("bench/") and (name is None or e["name"] == name)]
+    marks = [e for e in events if str(e.get("name", "")).startswith("bench/") and e.get("cat") in HOST_CATS
+             and (name is None or e["name"] == name)]
     if marks:
         e = max(marks, key=lambda e: e["dur"])
         return e["ts"], e["ts"] + e["dur"]
@@ -91,6 +96,41 @@ def summarize(events: list[dict], top: int = 25, min_gap_us: float = 200.0, name
     }
 
 
+def phases(events: list[dict], name: str | None = None) -> dict:
+    """The region cut at every ``bench/`` annotation inside it (the phases ``bench_grpo.py`` labels), each piece
+    named by its innermost annotation (``between`` where none: e.g. the Trainer's loop between two micro-batches'
+    ``training_step`` calls), with its wall and device busy time; then the totals per name."""
+    t0, t1 = region(events, name)
+    device = union([(max(e["ts"], t0), min(e["ts"] + e["dur"], t1)) for e in events
+                    if e.get("cat") in DEVICE_CATS and e["ts"] < t1 and e["ts"] + e["dur"] > t0])
+    marks = [e for e in events if str(e.get("name", "")).startswith("bench/") and e.get("cat") in HOST_CATS
+             and t0 <= e["ts"]
+             and e["ts"] + e["dur"] <= t1 and (e["ts"], e["ts"] + e["dur"]) != (t0, t1)]
+    cuts = sorted({t0, t1, *(e["ts"] for e in marks), *(e["ts"] + e["dur"] for e in marks)})
+
+    def busy(a: float, b: float) -> float:
+        return sum(max(0.0, min(b, d1) - max(a, d0)) for d0, d1 in device if d1 > a and d0 < b)
+
+    pieces: list[dict] = []
+    for a, b in zip(cuts, cuts[1:], strict=False):
+        mid = (a + b) / 2
+        inner = [e for e in marks if e["ts"] <= mid <= e["ts"] + e["dur"]]
+        label = min(inner, key=lambda e: e["dur"])["name"][len("bench/"):] if inner else "between"
+        if pieces and pieces[-1]["name"] == label and pieces[-1]["end"] == a:
+            pieces[-1]["end"] = b
+        else:
+            pieces.append({"name": label, "start": a, "end": b})
+    totals: dict[str, dict] = {}
+    for piece in pieces:
+        a, b = piece.pop("start"), piece.pop("end")
+        piece.update(at_ms=(a - t0) / 1e3, ms=(b - a) / 1e3, busy_ms=busy(a, b) / 1e3)
+        total = totals.setdefault(piece["name"], {"pieces": 0, "ms": 0.0, "busy_ms": 0.0})
+        total["pieces"] += 1
+        total["ms"] += piece["ms"]
+        total["busy_ms"] += piece["busy_ms"]
+    return {"wall_ms": (t1 - t0) / 1e3, "pieces": pieces, "totals": totals}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("trace", type=Path)
@@ -98,7 +138,20 @@ def main() -> None:
     p.add_argument("--min-gap-us", type=float, default=200.0, help="idle gaps shorter than this are not listed")
     p.add_argument("--region", default=None, help="the annotation to analyse (default: the longest bench/...)")
     p.add_argument("--out", type=Path)
+    p.add_argument("--phases", action="store_true",
+                   help="instead: the region's wall and device busy time per phase (bench/ annotation) and between them")
     args = p.parse_args()
+    if args.phases:
+        result = phases(load(args.trace), args.region)
+        if args.out:
+            args.out.write_text(json.dumps(result, indent=1))
+        print(f"{args.trace.name}: wall {result['wall_ms']:.1f} ms")
+        for piece in result["pieces"]:
+            print(f"  {piece['at_ms']:9.1f} ms  {piece['ms']:8.1f} ms, device busy {piece['busy_ms']:8.1f}  {piece['name']}")
+        print("per phase: pieces, wall ms, device busy ms")
+        for label, t in sorted(result["totals"].items(), key=lambda kv: -kv[1]["ms"]):
+            print(f"  {label:40s} {t['pieces']:4d} {t['ms']:9.1f} {t['busy_ms']:9.1f}")
+        return
     result = summarize(load(args.trace), args.top, args.min_gap_us, args.region)
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))
