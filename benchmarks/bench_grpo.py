@@ -42,7 +42,7 @@ Profiles of one timed method (e.g. ``training_step``) into ``BENCH_PROFILE_DIR``
 its Python call tree (cProfile), ``BENCH_KERNELS=name[,name]`` their CUDA kernels by kind and by name (the
 last call's, ``kernels-<name>-<variant>-rank<r>.json``; a call inside another profiled one, such as sampling
 inside a training step, runs unprofiled), ``BENCH_TRACE=name[,name]`` a host + device timeline of its first
-timed call (``step``: the first timed step, all of it) (a gzipped Chrome trace, ``trace-<name>-<variant>-rank<r>.json.gz``, with Python stacks where
+timed call, or with ``step`` of the whole first timed step (a gzipped Chrome trace, ``trace-<name>-<variant>-rank<r>.json.gz``, with Python stacks where
 ``BENCH_TRACE_STACK`` names it; open it in Perfetto; a training step's is one after that step's sampling;
 ``benchmarks/trace_gaps.py`` lists its device idle gaps). All three slow the profiled calls: profile in a run of its own, not in the one whose step times
 are reported. ``BENCH_REWARD_MODEL_ROWS=n`` sets the kit's reward-model forward size (``rewards.REWARD_MODEL_ROWS``;
