@@ -429,14 +429,26 @@ class StepTimer:
         self.step_trace: list | None = [] if "step" in os.environ.get("BENCH_TRACE", "").split(",") else None
         gc.callbacks.append(self._gc)  # the collector's pauses inside each step (gc_s, gc_full)
 
+    def trace_activities(self) -> list:
+        """What a timeline records: the host, and the device where there is one."""
+        from torch.profiler import ProfilerActivity
+
+        return [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+
+    def write_trace(self, prof, directory: str, name: str) -> None:
+        """``prof``'s timeline as ``<directory>/trace-<name>-<variant>-rank<r>.json.gz``."""
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        raw = Path(directory) / f"trace-{name}-{self.label.replace('#', '_')}-rank{self.rank}.json"
+        prof.export_chrome_trace(str(raw))
+        subprocess.run(["gzip", "-f", str(raw)], check=False)
+
     def start_step_trace(self) -> None:
         """``BENCH_TRACE=step``: a host + device timeline of the first timed step, all of it (the phases' own
         traces skip their calls inside it: torch.profiler does not nest)."""
         import torch
-        from torch.profiler import ProfilerActivity, profile
+        from torch.profiler import profile
 
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
-        prof = profile(activities=activities)
+        prof = profile(activities=self.trace_activities())
         prof.__enter__()
         region = torch.profiler.record_function("bench/step")
         region.__enter__()
@@ -448,11 +460,7 @@ class StepTimer:
         region.__exit__(None, None, None)
         prof.__exit__(None, None, None)
         _TRACING.clear()
-        out = Path(os.environ.get("BENCH_PROFILE_DIR", "."))
-        out.mkdir(parents=True, exist_ok=True)
-        raw = out / f"trace-step-{self.label.replace('#', '_')}-rank{self.rank}.json"
-        prof.export_chrome_trace(str(raw))
-        subprocess.run(["gzip", "-f", str(raw)], check=False)
+        self.write_trace(prof, os.environ.get("BENCH_PROFILE_DIR", "."), "step")
 
     def _gc(self, phase: str, info: dict) -> None:
         if phase == "start":
@@ -542,20 +550,16 @@ class StepTimer:
             tracing = (trace_to and not traced and not _TRACING and len(timer.steps) >= timer.warmup
                        and (name != "training_step" or "_generate" in (timer.cur or {})))
             if tracing:  # host and device timeline of one timed call
-                from torch.profiler import ProfilerActivity, profile
+                from torch.profiler import profile
 
                 traced.append(True)
                 _TRACING.append(name)
-                activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if timer.cuda else [])
-                with profile(activities=activities, with_stack=stacks) as prof:
+                with profile(activities=timer.trace_activities(), with_stack=stacks) as prof:
                     with torch.profiler.record_function(f"bench/{name}"):
                         out = original(*a, **kw)
                     timer.sync()
-                Path(trace_to).mkdir(parents=True, exist_ok=True)
-                raw = Path(trace_to) / f"trace-{name}-{timer.label.replace('#', '_')}-rank{timer.rank}.json"
                 _TRACING.clear()
-                prof.export_chrome_trace(str(raw))
-                subprocess.run(["gzip", "-f", str(raw)], check=False)
+                timer.write_trace(prof, trace_to, name)
             elif kernels_to and not _TRACING:  # the device kernels of each call; the last call's table is kept
                 from torch.profiler import ProfilerActivity, profile
 

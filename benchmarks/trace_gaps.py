@@ -45,10 +45,20 @@ def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return [(a, b) for a, b in merged]
 
 
+def annotations(events: list[dict]) -> list[dict]:
+    """The host's ``bench/<phase>`` annotations (not their copies on the device's timeline)."""
+    return [e for e in events if str(e.get("name", "")).startswith("bench/") and e.get("cat") in HOST_CATS]
+
+
+def device_busy(events: list[dict], t0: float, t1: float) -> list[tuple[float, float]]:
+    """The device's busy intervals (kernels, copies, sets on every stream, merged) clipped to ``[t0, t1]``."""
+    return union([(max(e["ts"], t0), min(e["ts"] + e["dur"], t1)) for e in events
+                  if e.get("cat") in DEVICE_CATS and e["ts"] < t1 and e["ts"] + e["dur"] > t0])
+
+
 def region(events: list[dict], name: str | None) -> tuple[float, float]:
     """The traced call: the ``bench/<name>`` annotation (the longest ``bench/`` one), else all host events."""
-    marks = [e for e in events if str(e.get("name", "")).startswith("bench/") and e.get("cat") in HOST_CATS
-             and (name is None or e["name"] == name)]
+    marks = [e for e in annotations(events) if name is None or e["name"] == name]
     if marks:
         e = max(marks, key=lambda e: e["dur"])
         return e["ts"], e["ts"] + e["dur"]
@@ -58,8 +68,7 @@ def region(events: list[dict], name: str | None) -> tuple[float, float]:
 
 def summarize(events: list[dict], top: int = 25, min_gap_us: float = 200.0, name: str | None = None) -> dict:
     t0, t1 = region(events, name)
-    device = union([(max(e["ts"], t0), min(e["ts"] + e["dur"], t1)) for e in events
-                    if e.get("cat") in DEVICE_CATS and e["ts"] < t1 and e["ts"] + e["dur"] > t0])
+    device = device_busy(events, t0, t1)
     busy = sum(b - a for a, b in device)
     gaps, cursor = [], t0
     for a, b in device:
@@ -101,11 +110,9 @@ def phases(events: list[dict], name: str | None = None) -> dict:
     named by its innermost annotation (``between`` where none: e.g. the Trainer's loop between two micro-batches'
     ``training_step`` calls), with its wall and device busy time; then the totals per name."""
     t0, t1 = region(events, name)
-    device = union([(max(e["ts"], t0), min(e["ts"] + e["dur"], t1)) for e in events
-                    if e.get("cat") in DEVICE_CATS and e["ts"] < t1 and e["ts"] + e["dur"] > t0])
-    marks = [e for e in events if str(e.get("name", "")).startswith("bench/") and e.get("cat") in HOST_CATS
-             and t0 <= e["ts"]
-             and e["ts"] + e["dur"] <= t1 and (e["ts"], e["ts"] + e["dur"]) != (t0, t1)]
+    device = device_busy(events, t0, t1)
+    marks = [e for e in annotations(events)
+             if t0 <= e["ts"] and e["ts"] + e["dur"] <= t1 and (e["ts"], e["ts"] + e["dur"]) != (t0, t1)]
     cuts = sorted({t0, t1, *(e["ts"] for e in marks), *(e["ts"] + e["dur"] for e in marks)})
 
     def busy(a: float, b: float) -> float:
