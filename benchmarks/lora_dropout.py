@@ -1,5 +1,5 @@
 """The LoRA dropout fused into ``lora_A``: the op (grpo_patches/lora_dropout.py, one Triton kernel that draws the
-mask from a seed and keeps it one bit an element) against PEFT's ``lora_A(dropout(x))``, eager and compiled.
+mask from a seed and stores none) against PEFT's ``lora_A(dropout(x))``, eager and compiled.
 
   python benchmarks/lora_dropout.py --check --bench --out FILE   # GPU: T = 36864, K = 1536 and 8960, R = 16
   python benchmarks/lora_dropout.py --sweep                      # GPU: the op's time per tile config
@@ -16,8 +16,8 @@ with its seed drawn per call by ``torch.randint`` as the lean layer does, eager 
 (``fullgraph=True``: the op is one opaque call there). Medians of ``triton.testing.do_bench``
 (L2 flushed between runs), in ms, with the HBM floor of the bytes each must move at 4.3 TB/s: the forward one
 read of ``x``, forward + backward three passes (the forward's read, the backward's read of ``x`` and write of
-``grad_x``). ``--sweep`` times the op's kernels per tile config (the ``TILES`` table's source): the forward without and
-with keeping the mask, the backward drawing the mask again and reading the kept one. ``--tiny`` runs the check and the timings on CPU (the op interpreted; timings that mean nothing) to
+``grad_x``). ``--sweep`` times the op's forward and backward kernels per tile config (the ``TILES`` table's
+source). ``--tiny`` runs the check and the timings on CPU (the op interpreted; timings that mean nothing) to
 smoke-test the script. The GPU run (--check --bench --sweep) took 40 s on an H100 (most of it compilation:
 inductor's two PEFT graphs per shape, two Triton kernels per swept config). The floors are the H200's HBM rate;
 on an H100 (3.35 TB/s) they are ~1.3x higher.
@@ -47,8 +47,7 @@ HBM = 4.3e12  # bytes / s (H200: 4.8 nominal; 4.3 sustained by a streaming read)
 P = 0.05
 RANK = 16
 SWEEP = tuple((bt, bk, w, 10) for bt, bk, w in ((64, 64, 4), (64, 128, 4), (128, 64, 4), (32, 128, 4), (128, 128, 8),
-                                                 (64, 256, 8))) + ((32, 128, 4, 7), (32, 64, 4, 10), (16, 128, 4, 10),
-                                                                   (32, 128, 8, 10))  # (block_t, block_k, warps, rounds)
+                                                 (64, 256, 8)))  # (block_t, block_k, warps, Philox rounds)
 
 
 def shapes(tiny: bool) -> list[tuple[int, int]]:
@@ -181,13 +180,8 @@ def sweep_shape(device: str, rows: int, k: int, configs, measure) -> list[dict]:
     for tiles in configs:
         row = {"T": rows, "K": k, "tiles": list(tiles)}
         try:
-            bits = ld._forward(x, a, seed, P, *tiles, save=True)[1]
-            none = bits[:0]
             row["fwd_ms"] = measure(lambda tiles=tiles: ld._forward(x, a, seed, P, *tiles))
-            row["fwd_save_ms"] = measure(lambda tiles=tiles: ld._forward(x, a, seed, P, *tiles, save=True))
-            row["bwd_ms"] = measure(lambda tiles=tiles, none=none: ld._backward(grad_u, x, a, seed, none, P, *tiles))
-            row["bwd_saved_ms"] = measure(lambda tiles=tiles, bits=bits: ld._backward(grad_u, x, a, seed, bits, P,
-                                                                                  *tiles))
+            row["bwd_ms"] = measure(lambda tiles=tiles: ld._backward(grad_u, x, a, seed, P, *tiles))
         except Exception as exc:  # noqa: BLE001 - a config that fails (registers, shared memory) is recorded
             row["error"] = repr(exc)[:200]
             print(f"sweep T={rows} K={k} tiles={tiles}: {row['error']}", flush=True)
@@ -195,8 +189,7 @@ def sweep_shape(device: str, rows: int, k: int, configs, measure) -> list[dict]:
             continue
         out.append(row)
         print(f"sweep T={rows} K={k} tiles (block_t, block_k, warps, rounds)={tiles}: fwd {row['fwd_ms']:.3f} ms  "
-              f"keeping the mask {row['fwd_save_ms']:.3f} ms  bwd drawing it {row['bwd_ms']:.3f} ms  "
-              f"reading it {row['bwd_saved_ms']:.3f} ms", flush=True)
+              f"bwd {row['bwd_ms']:.3f} ms", flush=True)
     return out
 
 

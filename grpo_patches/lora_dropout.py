@@ -4,8 +4,8 @@ In the compiled training layers (``compile_training``, inductor with ``fallback_
 dropout materializes ATen's fp32 random tensor (4 bytes written and read per input element), the dropped
 copy of the input and a bool mask for the backward, in the forward, the checkpointed recomputation and the
 backward: about a tenth of a compiled layer's time on the GRPO step of the benchmarks. Here the forward reads ``x`` once
-and writes ``u = (x * keep / (1 - p)) @ A^T`` and the mask, one bit an element (``SAVE_MASK``; without it the
-backward draws the same mask again from the seed); no random tensor or dropped copy is ever stored.
+and writes only ``u = (x * keep / (1 - p)) @ A^T``; the backward draws the same mask again from the seed,
+so no mask, random tensor or dropped copy is ever stored.
 
 The mask is counter-based (Philox4x32, Triton's ``tl.randint4x``, ``ROUNDS`` rounds) and does not depend on
 the tile sizes: one draw gives four uint32 words, eight 16-bit halves, for eight consecutive elements of a row.
@@ -35,10 +35,6 @@ _NAMESPACE = __name__.split(".")[0]  # the custom ops' namespace: this package's
 _HAS_CUSTOM_OP = hasattr(torch, "library") and hasattr(torch.library, "custom_op")
 RANK_PAD = 16  # tl.dot's smallest dimension
 ROUNDS = 10  # Philox rounds per draw (Random123's default; 7 passes BigCrush too)
-# The forward keeps the mask for the backward, one bit an element (T x ceil(K / 8) bytes, a sixteenth of a bf16
-# ``x``, which the backward keeps anyway): drawing it again cost the backward about half its time, its Philox
-# rounds bound by integer throughput, not by its bytes. False: nothing kept, the backward draws it again.
-SAVE_MASK = True
 BWD_PROGRAMS = 1024  # the backward's grid: row splits x column blocks, about this many programs
 # Tiles (block_t, block_k, num_warps), forward and backward, by input width K (first row with K <= bound).
 # Fixed rather than autotuned: the tiles set the fp32 summation order, and a run should not change its
@@ -113,22 +109,18 @@ def self_check(device: torch.device | str) -> str:
             x = torch.randn(rows, k, device=device, generator=g).to(dtype).requires_grad_()
             a = (torch.randn(rank, k, device=device, generator=g) * k**-0.5).requires_grad_()
             grad_u = torch.randn(rows, rank, device=device, generator=g).to(dtype)
+            with torch.enable_grad(), torch.autocast(torch.device(device).type, enabled=False):
+                u = dropout_lora_a(x, a, p, seed)
+                u.backward(grad_u)
             keep = keep_mask(seed, rows, k, p)
             dropped = torch.where(keep, x.detach().double() / (1 - p), 0.0).to(dtype).double()
             a_in, gu = a.detach().to(dtype).double(), grad_u.double()
-            for save in (True, False):  # the backward from the kept mask, and drawing it again
-                x.grad = a.grad = None
-                with torch.enable_grad(), torch.autocast(torch.device(device).type, enabled=False):
-                    u = dropout_lora_a(x, a, p, seed, save_mask=save)
-                    u.backward(grad_u)
-                wanted = {"u": (u, dropped @ a_in.T), "grad_x": (x.grad, torch.where(keep, gu @ a_in / (1 - p), 0.0)),
-                          "grad_A": (a.grad, gu.T @ dropped)}
-                for name, (got, want) in wanted.items():
-                    error = ((got.double() - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
-                    if not error <= tolerance:
-                        how = "kept" if save else "drawn again"
-                        return (f"{name} in {str(dtype).split('.')[-1]} (mask {how}) off by {error:.1e} of its "
-                                "largest value")
+            wanted = {"u": (u, dropped @ a_in.T), "grad_x": (x.grad, torch.where(keep, gu @ a_in / (1 - p), 0.0)),
+                      "grad_A": (a.grad, gu.T @ dropped)}
+            for name, (got, want) in wanted.items():
+                error = ((got.double() - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+                if not error <= tolerance:
+                    return f"{name} in {str(dtype).split('.')[-1]} off by {error:.1e} of its largest value"
     except Exception as exc:  # noqa: BLE001 - any failure to run is a failed check
         return repr(exc)[:300]
     return ""
@@ -205,7 +197,7 @@ def keep_mask(seed: int | torch.Tensor, rows: int, k: int, p: float, *, first_ro
 @functools.cache
 def _kernels():
     # The helpers are module globals, not closures: Triton's interpreter resolves a kernel's callees there.
-    global _dot, _halves, _spread, _unpack
+    global _dot, _keep
     import triton
     import triton.language as tl
 
@@ -220,36 +212,19 @@ def _kernels():
         return out
 
     @triton.jit
-    def _halves(seed, rows, k0, K8, thr, BLOCK_K: tl.constexpr, ROUNDS: tl.constexpr):
-        """The keep bits (int32 0 / 1, ``[BLOCK_T, BLOCK_K // 8]`` each) of the tile at rows ``rows``, columns
-        ``k0 ..``, in column order ``8 c + i`` for ``i = 0 .. 7``: one Philox draw per 8 columns, element ``i``
-        the low (even ``i``) or high half of word ``(0, 2, 1, 3)[i // 2]``."""
+    def _keep(seed, rows, k0, K8, thr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, ROUNDS: tl.constexpr):
+        """The keep mask of the ``[BLOCK_T, BLOCK_K]`` tile at rows ``rows``, columns ``k0 ..``: one Philox draw
+        per 8 columns, its eight 16-bit halves interleaved as :func:`keep_mask` lays them out."""
         counters = rows[:, None] * K8 + (k0 // 8 + tl.arange(0, BLOCK_K // 8))[None, :]
         w0, w1, w2, w3 = tl.randint4x(seed, counters, ROUNDS)
-        return ((w0 & 0xFFFF) >= thr).to(tl.int32), ((w0 >> 16) >= thr).to(tl.int32), \
-            ((w2 & 0xFFFF) >= thr).to(tl.int32), ((w2 >> 16) >= thr).to(tl.int32), \
-            ((w1 & 0xFFFF) >= thr).to(tl.int32), ((w1 >> 16) >= thr).to(tl.int32), \
-            ((w3 & 0xFFFF) >= thr).to(tl.int32), ((w3 >> 16) >= thr).to(tl.int32)
-
-    @triton.jit
-    def _spread(e0, e1, e2, e3, e4, e5, e6, e7):
-        """The ``[BLOCK_T, BLOCK_K]`` keep mask from its eight ``[BLOCK_T, BLOCK_K // 8]`` bit tiles: column
-        ``8 c + i`` from ``e_i[:, c]`` (Triton's ``interleave`` lays ``(a, b)`` out as ``a0 b0 a1 b1 ..``)."""
-        lo = tl.interleave(tl.interleave(e0, e4), tl.interleave(e2, e6))
-        hi = tl.interleave(tl.interleave(e1, e5), tl.interleave(e3, e7))
-        return tl.interleave(lo, hi) != 0
-
-    @triton.jit
-    def _unpack(byte):
-        """The eight bit tiles of a tile of packed mask bytes (bit ``i`` of byte ``c``: column ``8 c + i``)."""
-        b = byte.to(tl.int32)
-        return b & 1, (b >> 1) & 1, (b >> 2) & 1, (b >> 3) & 1, (b >> 4) & 1, (b >> 5) & 1, (b >> 6) & 1, \
-            (b >> 7) & 1
+        lo = tl.interleave(tl.interleave(w0 & 0xFFFF, w1 & 0xFFFF), tl.interleave(w2 & 0xFFFF, w3 & 0xFFFF))
+        hi = tl.interleave(tl.interleave(w0 >> 16, w1 >> 16), tl.interleave(w2 >> 16, w3 >> 16))
+        return tl.interleave(lo, hi) >= thr
 
     @triton.jit(do_not_specialize=["threshold"])
-    def forward(x_ptr, a_ptr, seed_ptr, u_ptr, bits_ptr, T, K, K8, R, stride_xt, stride_ar, stride_ut, stride_bt,
-                threshold, scale, R_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
-                PRECISION: tl.constexpr, UPCAST: tl.constexpr, ROUNDS: tl.constexpr, STORE: tl.constexpr):
+    def forward(x_ptr, a_ptr, seed_ptr, u_ptr, T, K, K8, R, stride_xt, stride_ar, stride_ut, threshold, scale,
+                R_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+                UPCAST: tl.constexpr, ROUNDS: tl.constexpr):
         rows = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
         row_ok = rows < T
         seed = tl.load(seed_ptr)
@@ -261,13 +236,7 @@ def _kernels():
             col_ok = cols < K
             x = tl.load(x_ptr + rows[:, None] * stride_xt + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
                         other=0.0)
-            e0, e1, e2, e3, e4, e5, e6, e7 = _halves(seed, rows, k0, K8, thr, BLOCK_K, ROUNDS)
-            keep = _spread(e0, e1, e2, e3, e4, e5, e6, e7)
-            if STORE:  # the mask for the backward, bit i of byte c for column 8 c + i
-                c = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-                byte = e0 | (e1 << 1) | (e2 << 2) | (e3 << 3) | (e4 << 4) | (e5 << 5) | (e6 << 6) | (e7 << 7)
-                tl.store(bits_ptr + rows[:, None] * stride_bt + c[None, :], byte.to(tl.uint8),
-                         mask=row_ok[:, None] & (c < K8)[None, :])
+            keep = _keep(seed, rows, k0, K8, thr, BLOCK_T, BLOCK_K, ROUNDS)
             d = tl.where(keep, x.to(tl.float32) * scale, 0.0).to(x.dtype)
             a = tl.load(a_ptr + r[None, :] * stride_ar + cols[:, None], mask=col_ok[:, None] & (r < R)[None, :],
                         other=0.0).to(x.dtype)
@@ -276,14 +245,12 @@ def _kernels():
                  mask=row_ok[:, None] & (r < R)[None, :])
 
     @triton.jit(do_not_specialize=["threshold"])
-    def backward(x_ptr, a_ptr, seed_ptr, bits_ptr, gu_ptr, gx_ptr, part_ptr, T, K, K8, R, stride_xt, stride_ar,
-                 stride_ut, stride_bt, stride_gt, stride_ps, threshold, scale, R_PAD: tl.constexpr,
-                 BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-                 ROUNDS: tl.constexpr, SAVED: tl.constexpr):
+    def backward(x_ptr, a_ptr, seed_ptr, gu_ptr, gx_ptr, part_ptr, T, K, K8, R, stride_xt, stride_ar, stride_ut,
+                 stride_gt, stride_ps, threshold, scale, R_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+                 BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, ROUNDS: tl.constexpr):
         k0 = tl.program_id(0) * BLOCK_K
         cols = k0 + tl.arange(0, BLOCK_K)
         col_ok = cols < K
-        c = k0 // 8 + tl.arange(0, BLOCK_K // 8)
         split = tl.program_id(1)
         splits = tl.num_programs(1)
         seed = tl.load(seed_ptr)
@@ -301,13 +268,7 @@ def _kernels():
             gu = tl.load(gu_ptr + rows[:, None] * stride_ut + r[None, :], mask=row_ok[:, None] & r_ok[None, :],
                          other=0.0)
             x = tl.load(x_ptr + rows[:, None] * stride_xt + cols[None, :], mask=ok, other=0.0)
-            if SAVED:  # the forward's mask bytes
-                byte = tl.load(bits_ptr + rows[:, None] * stride_bt + c[None, :],
-                               mask=row_ok[:, None] & (c < K8)[None, :], other=0)
-                e0, e1, e2, e3, e4, e5, e6, e7 = _unpack(byte)
-            else:  # drawn again from the seed
-                e0, e1, e2, e3, e4, e5, e6, e7 = _halves(seed, rows, k0, K8, thr, BLOCK_K, ROUNDS)
-            keep = _spread(e0, e1, e2, e3, e4, e5, e6, e7)
+            keep = _keep(seed, rows, k0, K8, thr, BLOCK_T, BLOCK_K, ROUNDS)
             d = tl.where(keep, x.to(tl.float32) * scale, 0.0).to(dtype)
             acc = _dot(tl.trans(gu), d, acc, PRECISION, UPCAST)
             gx = _dot(gu, a, tl.zeros((BLOCK_T, BLOCK_K), tl.float32), PRECISION, UPCAST)
@@ -351,32 +312,24 @@ def _pick(k: int, block_t: int, block_k: int, num_warps: int, backward: bool) ->
 
 
 def _forward(x: torch.Tensor, weight_a: torch.Tensor, seed: torch.Tensor, p: float, block_t: int, block_k: int,
-             num_warps: int, rounds: int = 0, save: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """``u`` and the packed keep mask (``[T, ceil(K / 8)]`` uint8; no rows unless ``save``)."""
+             num_warps: int, rounds: int = 0) -> torch.Tensor:
     _check(x, weight_a, seed)
     x2 = _rows(x)
     rows, k = x2.shape
     rank = weight_a.shape[0]
     a = weight_a if weight_a.stride(1) == 1 else weight_a.contiguous()
     u = torch.empty(rows, rank, dtype=x.dtype, device=x.device)
-    bits = torch.empty(rows if save else 0, -(-k // 8), dtype=torch.uint8, device=x.device)
     if rows and rank:
         bt, bk, warps = _pick(k, block_t, block_k, num_warps, backward=False)
         _kernels()[0][(triton_cdiv(rows, bt),)](
-            x2, a, seed, u, bits, rows, k, -(-k // 8), rank, x2.stride(0), a.stride(0), u.stride(0),
-            bits.stride(0), threshold(p), 1.0 / (1.0 - p), R_PAD=max(RANK_PAD, 1 << (rank - 1).bit_length()),
-            BLOCK_T=bt, BLOCK_K=bk, PRECISION=_precision(x.dtype), UPCAST=_upcast(x), ROUNDS=rounds or ROUNDS,
-            STORE=save, num_warps=warps)
-    elif save:
-        bits.zero_()
-    return u.reshape(*x.shape[:-1], rank), bits
+            x2, a, seed, u, rows, k, -(-k // 8), rank, x2.stride(0), a.stride(0), u.stride(0), threshold(p),
+            1.0 / (1.0 - p), R_PAD=max(RANK_PAD, 1 << (rank - 1).bit_length()), BLOCK_T=bt, BLOCK_K=bk,
+            PRECISION=_precision(x.dtype), UPCAST=_upcast(x), ROUNDS=rounds or ROUNDS, num_warps=warps)
+    return u.reshape(*x.shape[:-1], rank)
 
 
-def _backward(grad_u: torch.Tensor, x: torch.Tensor, weight_a: torch.Tensor, seed: torch.Tensor, bits: torch.Tensor,
-              p: float, block_t: int, block_k: int, num_warps: int, rounds: int = 0
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``grad_x`` and ``grad_A``; the mask from ``bits`` where it has the rows (the forward saved it), else drawn
-    again from ``seed``."""
+def _backward(grad_u: torch.Tensor, x: torch.Tensor, weight_a: torch.Tensor, seed: torch.Tensor, p: float,
+              block_t: int, block_k: int, num_warps: int, rounds: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     _check(x, weight_a, seed)
     x2 = _rows(x)
     rows, k = x2.shape
@@ -389,18 +342,16 @@ def _backward(grad_u: torch.Tensor, x: torch.Tensor, weight_a: torch.Tensor, see
     if not (rows and rank):
         grad_x.zero_()
         return grad_x.reshape(x.shape), torch.zeros_like(weight_a)
-    saved = bits.shape[0] == rows
     bt, bk, warps = _pick(k, block_t, block_k, num_warps, backward=True)
     col_blocks = triton_cdiv(k, bk)
     # grad_A's partial sums, one per row split, summed below (deterministic: no atomics)
     splits = max(1, min(triton_cdiv(rows, bt), BWD_PROGRAMS // col_blocks))
     partial = torch.empty(splits, rank, k, dtype=torch.float32, device=x.device)
     _kernels()[1][(col_blocks, splits)](
-        x2, a, seed, bits if saved else seed, gu, grad_x, partial, rows, k, -(-k // 8), rank, x2.stride(0),
-        a.stride(0), gu.stride(0), bits.stride(0) if saved else 0, grad_x.stride(0), partial.stride(0),
-        threshold(p), 1.0 / (1.0 - p), R_PAD=max(RANK_PAD, 1 << (rank - 1).bit_length()), BLOCK_T=bt,
-        BLOCK_K=bk, PRECISION=_precision(x.dtype), UPCAST=_upcast(x), ROUNDS=rounds or ROUNDS, SAVED=saved,
-        num_warps=warps)
+        x2, a, seed, gu, grad_x, partial, rows, k, -(-k // 8), rank, x2.stride(0), a.stride(0), gu.stride(0),
+        grad_x.stride(0), partial.stride(0), threshold(p), 1.0 / (1.0 - p),
+        R_PAD=max(RANK_PAD, 1 << (rank - 1).bit_length()), BLOCK_T=bt, BLOCK_K=bk,
+        PRECISION=_precision(x.dtype), UPCAST=_upcast(x), ROUNDS=rounds or ROUNDS, num_warps=warps)
     return grad_x.reshape(x.shape), partial.sum(0).to(weight_a.dtype)
 
 
@@ -416,36 +367,32 @@ def _op():
     """Register the custom ops, once, at the first use (importing the kit registers nothing)."""
 
     @torch.library.custom_op(f"{_NAMESPACE}::dropout_lora_a_backward", mutates_args=())
-    def backward_op(grad_u: torch.Tensor, x: torch.Tensor, weight_a: torch.Tensor, seed: torch.Tensor,
-                    bits: torch.Tensor, p: float, block_t: int, block_k: int,
-                    num_warps: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return _backward(grad_u, x, weight_a, seed, bits, p, block_t, block_k, num_warps)
+    def backward_op(grad_u: torch.Tensor, x: torch.Tensor, weight_a: torch.Tensor, seed: torch.Tensor, p: float,
+                    block_t: int, block_k: int, num_warps: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return _backward(grad_u, x, weight_a, seed, p, block_t, block_k, num_warps)
 
     @backward_op.register_fake
-    def _(grad_u, x, weight_a, seed, bits, p, block_t, block_k, num_warps):
+    def _(grad_u, x, weight_a, seed, p, block_t, block_k, num_warps):
         return x.new_empty(x.shape), weight_a.new_empty(weight_a.shape)
 
     @torch.library.custom_op(f"{_NAMESPACE}::dropout_lora_a", mutates_args=())
     def op(x: torch.Tensor, weight_a: torch.Tensor, seed: torch.Tensor, p: float, block_t: int, block_k: int,
-           num_warps: int, save_mask: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        return _forward(x, weight_a, seed, p, block_t, block_k, num_warps, save=save_mask)
+           num_warps: int) -> torch.Tensor:
+        return _forward(x, weight_a, seed, p, block_t, block_k, num_warps)
 
     @op.register_fake
-    def _(x, weight_a, seed, p, block_t, block_k, num_warps, save_mask):
-        rows = x.numel() // x.shape[-1] if save_mask else 0
-        return x.new_empty(*x.shape[:-1], weight_a.shape[0]), x.new_empty(rows, -(-x.shape[-1] // 8),
-                                                                           dtype=torch.uint8)
+    def _(x, weight_a, seed, p, block_t, block_k, num_warps):
+        return x.new_empty(*x.shape[:-1], weight_a.shape[0])
 
     def setup_context(ctx, inputs, output):
-        x, weight_a, seed, p, block_t, block_k, num_warps, save_mask = inputs
-        ctx.save_for_backward(x, weight_a, seed, output[1])  # the mask's bits, or none: drawn again from the seed
+        x, weight_a, seed, p, block_t, block_k, num_warps = inputs
+        ctx.save_for_backward(x, weight_a, seed)  # no mask: the backward draws it again from the seed
         ctx.args = (p, block_t, block_k, num_warps)
 
-    def backward(ctx, grad_u, grad_bits):
-        x, weight_a, seed, bits = ctx.saved_tensors
-        grad_x, grad_a = getattr(torch.ops, _NAMESPACE).dropout_lora_a_backward(grad_u, x, weight_a, seed, bits,
-                                                                                 *ctx.args)
-        return grad_x, grad_a, None, None, None, None, None, None
+    def backward(ctx, grad_u):
+        x, weight_a, seed = ctx.saved_tensors
+        grad_x, grad_a = getattr(torch.ops, _NAMESPACE).dropout_lora_a_backward(grad_u, x, weight_a, seed, *ctx.args)
+        return grad_x, grad_a, None, None, None, None, None
 
     op.register_autograd(backward, setup_context=setup_context)
     global _OP
@@ -457,7 +404,7 @@ _OP = None  # the registered op (set by _op(): compiled callers read this global
 
 
 def dropout_lora_a(x: torch.Tensor, weight_a: torch.Tensor, p: float, seed: torch.Tensor, *, block_t: int = 0,
-                   block_k: int = 0, num_warps: int = 0, save_mask: bool | None = None) -> torch.Tensor:
+                   block_k: int = 0, num_warps: int = 0) -> torch.Tensor:
     """``(x * keep / (1 - p)) @ weight_a.T`` in ``x``'s dtype, ``[..., R]``, differentiable in ``x`` and
     ``weight_a``.
 
@@ -465,9 +412,7 @@ def dropout_lora_a(x: torch.Tensor, weight_a: torch.Tensor, p: float, seed: torc
     ``x``'s dtype for the matmul as autocast does; fp32 accumulation); ``seed``: one int64 on ``x``'s
     device, which with ``p`` fixes ``keep`` (see the module docstring, :func:`keep_mask`). ``grad_x`` comes
     in ``x``'s dtype, ``grad_A`` (summed in fp32, deterministically) in ``weight_a``'s. The tiles default
-    to ``TILES``; the mask does not depend on them. ``save_mask`` (default ``SAVE_MASK``): the forward keeps
-    the mask for the backward, one bit an element; else the backward draws it again.
+    to ``TILES``; the mask does not depend on them.
     """
     op = _OP if _OP is not None else _op()
-    save = SAVE_MASK if save_mask is None else save_mask
-    return op(x, weight_a, seed.reshape(1), float(p), int(block_t), int(block_k), int(num_warps), bool(save))[0]
+    return op(x, weight_a, seed.reshape(1), float(p), int(block_t), int(block_k), int(num_warps))
