@@ -49,8 +49,7 @@ are reported. ``BENCH_REWARD_MODEL_ROWS=n`` sets the kit's reward-model forward 
 0: one forward per batch, as stock) for an A/B, ``BENCH_PICK=gumbel`` the fast generation's Gumbel-max pick in place
 of its inverse-CDF sample, ``BENCH_FUSED_GATE_UP=0`` the compiled layers with PEFT's own gate and up projections, ``BENCH_FUSED_DROPOUT=0``
 the lean layers with PEFT's LoRA dropout and ``lora_A`` (not the fused op), ``BENCH_DROPOUT_TILES`` the fused
-op's tiles (``lora_dropout.TILES`` as JSON), ``BENCH_MASK_RESHAPE=1`` / ``0`` the layout of its mask in a tile
-(``lora_dropout.MASK_BY_RESHAPE``), ``BENCH_DROPOUT_ROUNDS=n`` its Philox rounds,
+op's tiles (``lora_dropout.TILES`` as JSON),
 ``BENCH_DOWN_LAST=0`` with the down projection's base matmul inside their graph (recomputed with checkpointing),
 ``BENCH_SHARED_PROMPT=0`` the decode attention kernel reading every row's own copy of its prompt's slots (not the
 prompt's first row's), ``BENCH_PLAIN_LAYERS=n`` the last n decoder layers without gradient checkpointing (their activations kept,
@@ -735,14 +734,6 @@ def run_variant(args, variant: str, round_idx: int, ctx: dict[str, Any]) -> dict
         from grpo_patches import lora_dropout
 
         lora_dropout._AVAILABLE = False
-    if os.environ.get("BENCH_MASK_RESHAPE"):  # the fused dropout's mask layout in a tile (lora_dropout._keep)
-        from grpo_patches import lora_dropout
-
-        lora_dropout.MASK_BY_RESHAPE = os.environ["BENCH_MASK_RESHAPE"] == "1"
-    if os.environ.get("BENCH_DROPOUT_ROUNDS"):  # the fused dropout's Philox rounds (lora_dropout.ROUNDS)
-        from grpo_patches import lora_dropout
-
-        lora_dropout.ROUNDS = int(os.environ["BENCH_DROPOUT_ROUNDS"])
     if os.environ.get("BENCH_DROPOUT_TILES"):  # the fused dropout's tiles (lora_dropout.TILES, as JSON)
         from grpo_patches import lora_dropout
 

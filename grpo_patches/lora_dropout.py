@@ -35,7 +35,6 @@ _NAMESPACE = __name__.split(".")[0]  # the custom ops' namespace: this package's
 _HAS_CUSTOM_OP = hasattr(torch, "library") and hasattr(torch.library, "custom_op")
 RANK_PAD = 16  # tl.dot's smallest dimension
 ROUNDS = 10  # Philox rounds per draw (Random123's default; 7 passes BigCrush too)
-MASK_BY_RESHAPE = False  # how a tile lays its draws' halves out (``_keep``); the same mask either way
 BWD_PROGRAMS = 1024  # the backward's grid: row splits x column blocks, about this many programs
 # Tiles (block_t, block_k, num_warps), forward and backward, by input width K (first row with K <= bound).
 # Fixed rather than autotuned: the tiles set the fp32 summation order, and a run should not change its
@@ -213,31 +212,19 @@ def _kernels():
         return out
 
     @triton.jit
-    def _keep(seed, rows, k0, K8, thr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, ROUNDS: tl.constexpr,
-              RESHAPE: tl.constexpr):
+    def _keep(seed, rows, k0, K8, thr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, ROUNDS: tl.constexpr):
         """The keep mask of the ``[BLOCK_T, BLOCK_K]`` tile at rows ``rows``, columns ``k0 ..``: one Philox draw
-        per 8 columns, its eight 16-bit halves laid out as :func:`keep_mask` does. ``RESHAPE``: each column picks
-        its word and half in a ``[BLOCK_T, BLOCK_K // 8, 8]`` tile, reshaped to 2-D; else three levels of
-        ``interleave``. The same mask."""
+        per 8 columns, its eight 16-bit halves interleaved as :func:`keep_mask` lays them out."""
         counters = rows[:, None] * K8 + (k0 // 8 + tl.arange(0, BLOCK_K // 8))[None, :]
         w0, w1, w2, w3 = tl.randint4x(seed, counters, ROUNDS)
-        if RESHAPE:
-            i = tl.arange(0, 8)[None, None, :]
-            word = tl.where(i < 2, w0[:, :, None], tl.where(i < 4, w2[:, :, None],
-                                                             tl.where(i < 6, w1[:, :, None], w3[:, :, None])))
-            half = (word >> ((i % 2) * 16).to(tl.uint32)) & 0xFFFF
-            keep = tl.reshape(half, (BLOCK_T, BLOCK_K)) >= thr
-        else:
-            lo = tl.interleave(tl.interleave(w0 & 0xFFFF, w1 & 0xFFFF), tl.interleave(w2 & 0xFFFF, w3 & 0xFFFF))
-            hi = tl.interleave(tl.interleave(w0 >> 16, w1 >> 16), tl.interleave(w2 >> 16, w3 >> 16))
-            keep = tl.interleave(lo, hi) >= thr
-        return keep
+        lo = tl.interleave(tl.interleave(w0 & 0xFFFF, w1 & 0xFFFF), tl.interleave(w2 & 0xFFFF, w3 & 0xFFFF))
+        hi = tl.interleave(tl.interleave(w0 >> 16, w1 >> 16), tl.interleave(w2 >> 16, w3 >> 16))
+        return tl.interleave(lo, hi) >= thr
 
     @triton.jit(do_not_specialize=["threshold"])
     def forward(x_ptr, a_ptr, seed_ptr, u_ptr, T, K, K8, R, stride_xt, stride_ar, stride_ut, threshold, scale,
                 R_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-                UPCAST: tl.constexpr, ROUNDS: tl.constexpr,
-                RESHAPE: tl.constexpr):
+                UPCAST: tl.constexpr, ROUNDS: tl.constexpr):
         rows = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
         row_ok = rows < T
         seed = tl.load(seed_ptr)
@@ -249,7 +236,7 @@ def _kernels():
             col_ok = cols < K
             x = tl.load(x_ptr + rows[:, None] * stride_xt + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
                         other=0.0)
-            keep = _keep(seed, rows, k0, K8, thr, BLOCK_T, BLOCK_K, ROUNDS, RESHAPE)
+            keep = _keep(seed, rows, k0, K8, thr, BLOCK_T, BLOCK_K, ROUNDS)
             d = tl.where(keep, x.to(tl.float32) * scale, 0.0).to(x.dtype)
             a = tl.load(a_ptr + r[None, :] * stride_ar + cols[:, None], mask=col_ok[:, None] & (r < R)[None, :],
                         other=0.0).to(x.dtype)
@@ -260,8 +247,7 @@ def _kernels():
     @triton.jit(do_not_specialize=["threshold"])
     def backward(x_ptr, a_ptr, seed_ptr, gu_ptr, gx_ptr, part_ptr, T, K, K8, R, stride_xt, stride_ar, stride_ut,
                  stride_gt, stride_ps, threshold, scale, R_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
-                 BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, ROUNDS: tl.constexpr,
-                 RESHAPE: tl.constexpr):
+                 BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, ROUNDS: tl.constexpr):
         k0 = tl.program_id(0) * BLOCK_K
         cols = k0 + tl.arange(0, BLOCK_K)
         col_ok = cols < K
@@ -282,7 +268,7 @@ def _kernels():
             gu = tl.load(gu_ptr + rows[:, None] * stride_ut + r[None, :], mask=row_ok[:, None] & r_ok[None, :],
                          other=0.0)
             x = tl.load(x_ptr + rows[:, None] * stride_xt + cols[None, :], mask=ok, other=0.0)
-            keep = _keep(seed, rows, k0, K8, thr, BLOCK_T, BLOCK_K, ROUNDS, RESHAPE)
+            keep = _keep(seed, rows, k0, K8, thr, BLOCK_T, BLOCK_K, ROUNDS)
             d = tl.where(keep, x.to(tl.float32) * scale, 0.0).to(dtype)
             acc = _dot(tl.trans(gu), d, acc, PRECISION, UPCAST)
             gx = _dot(gu, a, tl.zeros((BLOCK_T, BLOCK_K), tl.float32), PRECISION, UPCAST)
@@ -326,7 +312,7 @@ def _pick(k: int, block_t: int, block_k: int, num_warps: int, backward: bool) ->
 
 
 def _forward(x: torch.Tensor, weight_a: torch.Tensor, seed: torch.Tensor, p: float, block_t: int, block_k: int,
-             num_warps: int, rounds: int = 0, reshape: bool | None = None) -> torch.Tensor:
+             num_warps: int, rounds: int = 0) -> torch.Tensor:
     _check(x, weight_a, seed)
     x2 = _rows(x)
     rows, k = x2.shape
@@ -338,14 +324,12 @@ def _forward(x: torch.Tensor, weight_a: torch.Tensor, seed: torch.Tensor, p: flo
         _kernels()[0][(triton_cdiv(rows, bt),)](
             x2, a, seed, u, rows, k, -(-k // 8), rank, x2.stride(0), a.stride(0), u.stride(0), threshold(p),
             1.0 / (1.0 - p), R_PAD=max(RANK_PAD, 1 << (rank - 1).bit_length()), BLOCK_T=bt, BLOCK_K=bk,
-            PRECISION=_precision(x.dtype), UPCAST=_upcast(x), ROUNDS=rounds or ROUNDS,
-            RESHAPE=MASK_BY_RESHAPE if reshape is None else reshape, num_warps=warps)
+            PRECISION=_precision(x.dtype), UPCAST=_upcast(x), ROUNDS=rounds or ROUNDS, num_warps=warps)
     return u.reshape(*x.shape[:-1], rank)
 
 
 def _backward(grad_u: torch.Tensor, x: torch.Tensor, weight_a: torch.Tensor, seed: torch.Tensor, p: float,
-              block_t: int, block_k: int, num_warps: int, rounds: int = 0, reshape: bool | None = None
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+              block_t: int, block_k: int, num_warps: int, rounds: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     _check(x, weight_a, seed)
     x2 = _rows(x)
     rows, k = x2.shape
@@ -367,8 +351,7 @@ def _backward(grad_u: torch.Tensor, x: torch.Tensor, weight_a: torch.Tensor, see
         x2, a, seed, gu, grad_x, partial, rows, k, -(-k // 8), rank, x2.stride(0), a.stride(0), gu.stride(0),
         grad_x.stride(0), partial.stride(0), threshold(p), 1.0 / (1.0 - p),
         R_PAD=max(RANK_PAD, 1 << (rank - 1).bit_length()), BLOCK_T=bt, BLOCK_K=bk,
-        PRECISION=_precision(x.dtype), UPCAST=_upcast(x), ROUNDS=rounds or ROUNDS,
-            RESHAPE=MASK_BY_RESHAPE if reshape is None else reshape, num_warps=warps)
+        PRECISION=_precision(x.dtype), UPCAST=_upcast(x), ROUNDS=rounds or ROUNDS, num_warps=warps)
     return grad_x.reshape(x.shape), partial.sum(0).to(weight_a.dtype)
 
 
