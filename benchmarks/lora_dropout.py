@@ -47,7 +47,7 @@ HBM = 4.3e12  # bytes / s (H200: 4.8 nominal; 4.3 sustained by a streaming read)
 P = 0.05
 RANK = 16
 SWEEP = tuple((bt, bk, w, 10) for bt, bk, w in ((64, 64, 4), (64, 128, 4), (128, 64, 4), (32, 128, 4), (128, 128, 8),
-                                                 (64, 256, 8)))  # (block_t, block_k, warps, Philox rounds)
+                                                 (64, 256, 8))) + ((32, 128, 4, 7),)  # (block_t, block_k, warps, Philox rounds)
 
 
 def shapes(tiny: bool) -> list[tuple[int, int]]:
