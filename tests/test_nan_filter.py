@@ -1,0 +1,153 @@
+"""``apply(device_nan_filter=True)``: the Trainer's NaN / inf filter of the logged loss run on the device.
+
+Stock transformers reads each micro-batch's loss on the host (``torch.isnan(loss) or torch.isinf(loss)``, a
+device wait on a GPU); with the option the Trainer's check reads nothing computed from the loss and every logged
+loss is the same number."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import grpo_patches
+from grpo_patches.nan_filter import FilteredLoss, enable_device_nan_filter, filtered
+from tests.helpers import grpo_args, patched_trl_trainer
+
+transformers = pytest.importorskip("transformers")
+_RUNNING_LOSS_ON_TRAINER = tuple(int(p) for p in transformers.__version__.split(".")[:2]) >= (5, 3)
+
+BAD = {2: float("nan"), 4: float("inf"), 5: float("-inf")}  # 1-based micro-batches whose loss is not finite
+
+
+@pytest.fixture(autouse=True)
+def clean():
+    grpo_patches.revert()
+    yield
+    grpo_patches.revert()
+
+
+class LossReads(TorchDispatchMode):
+    """Counts host reads (``_local_scalar_dense``: ``bool()``, ``.item()``) of ``isnan`` / ``isinf`` results."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.checked: list[torch.Tensor] = []  # kept alive, so their ids stay theirs
+        self.reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in (torch.ops.aten.isnan.default, torch.ops.aten.isinf.default):
+            self.checked.append(out)
+        elif func is torch.ops.aten._local_scalar_dense.default and any(args[0] is t for t in self.checked):
+            self.reads += 1
+        return out
+
+
+def spoiled(trainer):
+    """``trainer.compute_loss`` with the micro-batches of ``BAD`` made NaN / inf in value (not in gradient: the
+    constant adds nothing to it, so the run goes on alike)."""
+    compute, calls = trainer.compute_loss, [0]
+
+    def compute_loss(*args, **kwargs):
+        loss = compute(*args, **kwargs)
+        calls[0] += 1
+        return loss + BAD[calls[0]] if calls[0] in BAD else loss
+
+    trainer.compute_loss = compute_loss
+    return trainer
+
+
+def run(**kw):
+    """Six micro-batches (three steps of two), the losses of ``BAD`` spoiled: (logged losses, host reads)."""
+    nan_filter = kw.pop("logging_nan_inf_filter", True)
+    args = grpo_args(max_steps=3, gradient_accumulation_steps=2, logging_nan_inf_filter=nan_filter)
+    trainer = spoiled(patched_trl_trainer(args, **kw))
+    with LossReads() as reads:
+        trainer.train()
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h], reads.reads
+
+
+@pytest.mark.skipif(not _RUNNING_LOSS_ON_TRAINER, reason="transformers < 5.3 keeps the running loss in a local "
+                    "variable: the option leaves the check as it is there (tested by the matrix's older rows)")
+def test_the_trainer_check_reads_no_loss_and_the_logged_losses_are_stock_s():
+    stock, stock_reads = run()
+    assert stock_reads >= 6, "stock: isnan / isinf of the loss read on the host for each of the six micro-batches"
+    assert all(loss == loss and abs(loss) != float("inf") for loss in stock), "stock filtered the spoiled losses"
+    losses, reads = run(device_nan_filter=True)
+    assert losses == stock, "the same logged losses, to the bit"
+    assert reads == 0, "the Trainer's check no longer reads the loss"
+
+
+@pytest.mark.skipif(not _RUNNING_LOSS_ON_TRAINER, reason="needs the running loss on the trainer (transformers "
+                    ">= 5.3)")
+def test_with_the_filter_off_the_option_filters_nothing():
+    stock, _ = run(logging_nan_inf_filter=False)
+    losses, _ = run(device_nan_filter=True, logging_nan_inf_filter=False)
+    assert stock and stock[0] != stock[0], "step 1 holds the NaN micro-batch: logged as NaN, unfiltered"
+    assert [str(loss) for loss in losses] == [str(loss) for loss in stock]
+
+
+def fake_trainer(running: torch.Tensor, *, step: int = 3, last_logged: int = 1, nan_filter: bool = True):
+    return SimpleNamespace(_tr_loss=running, _globalstep_last_logged=last_logged,
+                           state=SimpleNamespace(global_step=step), args=SimpleNamespace(logging_nan_inf_filter=nan_filter))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_a_non_finite_loss_becomes_what_the_trainer_adds_in_its_place(bad):
+    running = torch.tensor(6.0)
+    out = filtered(fake_trainer(running), torch.tensor(bad))
+    assert isinstance(out, FilteredLoss)
+    assert not (torch.isnan(out) or torch.isinf(out)) and not out.isnan() and not out.isinf()
+    stock = running.clone()
+    stock += stock / (1 + 3 - 1)  # transformers' replacement: the running loss over one plus the unlogged steps
+    running += out
+    assert type(running) is torch.Tensor and running.item() == stock.item() == 8.0
+
+
+def test_a_finite_loss_is_added_as_it_is_and_the_check_reads_nothing():
+    running = torch.tensor(6.0)
+    out = filtered(fake_trainer(running), torch.tensor(0.25, dtype=torch.bfloat16))
+    with LossReads() as reads:
+        assert not (torch.isnan(out) or torch.isinf(out))
+    assert reads.reads == 0
+    running += out
+    assert running.item() == 6.25 and running.dtype == torch.float32
+
+
+@pytest.mark.parametrize("case", ["filter off", "two values", "other device", "no running loss", "not a tensor"])
+def test_where_the_filter_does_not_apply_the_loss_is_returned_as_it_is(case):
+    running, loss = torch.tensor(6.0), torch.tensor(float("nan"))
+    trainer = fake_trainer(running, nan_filter=case != "filter off")
+    if case == "two values":
+        loss = torch.tensor([1.0, float("nan")])
+    elif case == "other device":
+        loss = torch.tensor(float("nan"), device="meta")
+    elif case == "no running loss":
+        del trainer._tr_loss
+    elif case == "not a tensor":
+        loss = float("nan")
+    assert filtered(trainer, loss) is loss
+
+
+def test_only_inside_train_and_train_s_result_and_errors_pass_through():
+    trainer = fake_trainer(torch.tensor(6.0))
+    seen = []
+    trainer.training_step = lambda *args, **kwargs: torch.tensor(float("nan"))
+
+    def train(fail=False):
+        seen.append(trainer.training_step())
+        if fail:
+            raise RuntimeError("out of memory")
+        return "trained"
+
+    trainer.train = train
+    enable_device_nan_filter(trainer)
+    assert trainer.train() == "trained" and isinstance(seen[-1], FilteredLoss) and seen[-1].item() == 2.0
+    with pytest.raises(RuntimeError, match="out of memory"):
+        trainer.train(fail=True)
+    assert isinstance(seen[-1], FilteredLoss)
+    outside = trainer.training_step()
+    assert type(outside) is torch.Tensor and outside.isnan(), "a direct call outside train() gets the raw loss"
