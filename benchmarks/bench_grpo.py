@@ -133,10 +133,11 @@ VARIANTS: dict[str, tuple[dict[str, Any] | None, dict[str, Any]]] = {
     "patched-graph-lean-kg-compiled": ({"reward_placement": "local", "fast_generation": {
         "decode_loop": "graph", "keep_graph": True}, "lean_lora": True, "compile_training": True}, {}),
     # apply(speed=True): fast_generation + lean_lora + compile_training + compile_reward_models + freeze_gc +
-    # device_nan_filter, each at its defaults
+    # overlap_micro_batches, each at its defaults
     "patched-speed": ({"reward_placement": "local", "speed": True}, {}),
-    # the same with the Trainer's NaN / inf check of each micro-batch's loss on the host, as stock (a device wait)
-    "patched-speed-host-nan-filter": ({"reward_placement": "local", "speed": True, "device_nan_filter": False}, {}),
+    # the same with the host waiting for each micro-batch's backward, as stock (the Trainer's NaN / inf check of the
+    # loss, the training mask's read of the padding)
+    "patched-speed-no-overlap": ({"reward_placement": "local", "speed": True, "overlap_micro_batches": False}, {}),
     # the same keeping the fused loop's CUDA graph between rounds (replayed where the caches come back in place)
     "patched-speed-kg": ({"reward_placement": "local", "speed": True, "fast_generation": {"keep_graph": True}}, {}),
     # the same with the reward model scoring eagerly, as stock

@@ -1,5 +1,5 @@
 """``apply(speed=True)``: one switch for the measured-fastest GPU path (fast_generation, lean_lora,
-compile_training, compile_reward_models, freeze_gc, device_nan_filter), each still set by its own option when given."""
+compile_training, compile_reward_models, freeze_gc, overlap_micro_batches), each still set by its own option when given."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def applied(**kwargs) -> tuple:
     assert grpo_patches.apply(targets=VENDORED, **kwargs)
     opts = options.active()
     return (opts.fast_generation, opts.lean_lora, opts.compile_training, opts.compile_reward_models, opts.freeze_gc,
-            opts.device_nan_filter)
+            opts.overlap_micro_batches)
 
 
 def test_off_by_default_and_the_switch_turns_on_all_six():
@@ -35,7 +35,7 @@ def test_off_by_default_and_the_switch_turns_on_all_six():
     ({"compile_training": False}, (FastGenerationConfig(), True, False, True, True, True)),
     ({"compile_reward_models": False}, (FastGenerationConfig(), True, True, False, True, True)),
     ({"freeze_gc": False}, (FastGenerationConfig(), True, True, True, False, True)),
-    ({"device_nan_filter": False}, (FastGenerationConfig(), True, True, True, True, False)),
+    ({"overlap_micro_batches": False}, (FastGenerationConfig(), True, True, True, True, False)),
     ({"lean_lora": False}, (FastGenerationConfig(), False, True, True, True, True)),
     ({"fast_generation": False}, (None, True, True, True, True, True)),
     ({"fast_generation": {"keep_graph": True}}, (FastGenerationConfig(keep_graph=True), True, True, True, True,
@@ -51,7 +51,7 @@ def test_without_the_switch_each_option_is_as_given():
                                                                     False)
     assert applied(compile_reward_models=True) == (None, False, False, True, False, False)
     assert applied(freeze_gc=True) == (None, False, False, False, True, False)
-    assert applied(device_nan_filter=True) == (None, False, False, False, False, True)
+    assert applied(overlap_micro_batches=True) == (None, False, False, False, False, True)
 
 
 @pytest.mark.parametrize("bad", ["yes", 1, None, 0.0])
@@ -77,6 +77,6 @@ def test_a_piece_that_cannot_apply_is_named_and_can_be_dropped(monkeypatch):
 def test_options_not_given_are_off():
     """A fork's config passes ``None`` (the option's default) straight to PatchOptions: off, as apply() without speed."""
     opts = options.PatchOptions(lean_lora=None, compile_training=None, compile_reward_models=None, freeze_gc=None,
-                                device_nan_filter=None)
+                                overlap_micro_batches=None)
     assert (opts.lean_lora, opts.compile_training, opts.compile_reward_models, opts.freeze_gc,
-            opts.device_nan_filter) == (False,) * 5
+            opts.overlap_micro_batches) == (False,) * 5

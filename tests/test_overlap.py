@@ -1,11 +1,13 @@
-"""``apply(device_nan_filter=True)``: the Trainer's NaN / inf filter of the logged loss run on the device.
+"""``apply(overlap_micro_batches=True)``: no host read of a device value between a micro-batch's backward and the
+next micro-batch's forward.
 
-Stock transformers reads each micro-batch's loss on the host (``torch.isnan(loss) or torch.isinf(loss)``, a
-device wait on a GPU); with the option the Trainer's check reads nothing computed from the loss and every logged
-loss is the same number."""
+Stock transformers reads each micro-batch's loss on the host (``torch.isnan(loss) or torch.isinf(loss)``) and, in
+the training forward's SDPA mask, the padding mask (``padding_mask.all()``): on a GPU each is a wait for the
+device. With the option neither is read and every logged loss is the same number."""
 
 from __future__ import annotations
 
+import traceback
 from types import SimpleNamespace
 
 import pytest
@@ -13,7 +15,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import grpo_patches
-from grpo_patches.nan_filter import FilteredLoss, enable_device_nan_filter, filtered
+from grpo_patches.overlap import FilteredLoss, enable_overlap, filtered, mask_unread
 from tests.helpers import grpo_args, patched_trl_trainer
 
 transformers = pytest.importorskip("transformers")
@@ -29,20 +31,24 @@ def clean():
     grpo_patches.revert()
 
 
-class LossReads(TorchDispatchMode):
-    """Counts host reads (``_local_scalar_dense``: ``bool()``, ``.item()``) of ``isnan`` / ``isinf`` results."""
+class HostReads(TorchDispatchMode):
+    """Counts host reads (``_local_scalar_dense``: ``bool()``, ``.item()``) of ``isnan`` / ``isinf`` results
+    (``loss``) and, with autograd on, inside transformers' ``masking_utils`` (``mask``)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.checked: list[torch.Tensor] = []  # kept alive, so their ids stay theirs
-        self.reads = 0
+        self.loss = self.mask = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func in (torch.ops.aten.isnan.default, torch.ops.aten.isinf.default):
             self.checked.append(out)
-        elif func is torch.ops.aten._local_scalar_dense.default and any(args[0] is t for t in self.checked):
-            self.reads += 1
+        elif func is torch.ops.aten._local_scalar_dense.default:
+            if any(args[0] is t for t in self.checked):
+                self.loss += 1
+            elif torch.is_grad_enabled() and any("masking_utils" in f.filename for f in traceback.extract_stack()):
+                self.mask += 1
         return out
 
 
@@ -65,29 +71,55 @@ def run(**kw):
     nan_filter = kw.pop("logging_nan_inf_filter", True)
     args = grpo_args(max_steps=3, gradient_accumulation_steps=2, logging_nan_inf_filter=nan_filter)
     trainer = spoiled(patched_trl_trainer(args, **kw))
-    with LossReads() as reads:
+    with HostReads() as reads:
         trainer.train()
-    return [h["loss"] for h in trainer.state.log_history if "loss" in h], reads.reads
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h], reads
 
 
-@pytest.mark.skipif(not _RUNNING_LOSS_ON_TRAINER, reason="transformers < 5.3 keeps the running loss in a local "
-                    "variable: the option leaves the check as it is there (tested by the matrix's older rows)")
-def test_the_trainer_check_reads_no_loss_and_the_logged_losses_are_stock_s():
+def test_no_host_read_between_micro_batches_and_the_logged_losses_are_stock_s():
     stock, stock_reads = run()
-    assert stock_reads >= 6, "stock: isnan / isinf of the loss read on the host for each of the six micro-batches"
+    assert stock_reads.loss >= 6, "stock: isnan / isinf of the loss read on the host for each of the six micro-batches"
+    assert stock_reads.mask >= 6, "stock: the padding mask read in each micro-batch's training forward"
     assert all(loss == loss and abs(loss) != float("inf") for loss in stock), "stock filtered the spoiled losses"
-    losses, reads = run(device_nan_filter=True)
+    losses, reads = run(overlap_micro_batches=True)
     assert losses == stock, "the same logged losses, to the bit"
-    assert reads == 0, "the Trainer's check no longer reads the loss"
+    if _RUNNING_LOSS_ON_TRAINER:
+        assert (reads.loss, reads.mask) == (0, 0), "neither the loss nor the padding mask is read"
+    else:  # the running loss in a local variable, the mask built by each model: the option leaves both alone
+        assert (reads.loss, reads.mask) == (stock_reads.loss, stock_reads.mask)
 
 
-@pytest.mark.skipif(not _RUNNING_LOSS_ON_TRAINER, reason="needs the running loss on the trainer (transformers "
-                    ">= 5.3)")
 def test_with_the_filter_off_the_option_filters_nothing():
     stock, _ = run(logging_nan_inf_filter=False)
-    losses, _ = run(device_nan_filter=True, logging_nan_inf_filter=False)
+    losses, _ = run(overlap_micro_batches=True, logging_nan_inf_filter=False)
     assert stock and stock[0] != stock[0], "step 1 holds the NaN micro-batch: logged as NaN, unfiltered"
     assert [str(loss) for loss in losses] == [str(loss) for loss in stock]
+
+
+@pytest.mark.skipif(not _RUNNING_LOSS_ON_TRAINER, reason="transformers < 5.3 decides the mask skip elsewhere")
+def test_inside_a_step_the_training_mask_is_built_unread_and_everything_else_is_as_stock():
+    from transformers import masking_utils
+
+    original = masking_utils._ignore_causal_mask_sdpa
+    assert not hasattr(original, "grpo_patches_original"), "transformers' own function outside a step"
+    unpadded = torch.ones(2, 5, dtype=torch.bool)
+
+    def skip(mask):
+        return masking_utils._ignore_causal_mask_sdpa(mask, 5, 5, 0, 0, None)
+
+    assert skip(unpadded) is True or bool(skip(unpadded)), "stock skips the mask of an unpadded batch"
+    with mask_unread():
+        with HostReads() as reads:
+            assert skip(unpadded) is False, "the training forward: built, unread"
+        assert reads.mask == 0
+        with torch.no_grad():
+            assert bool(skip(unpadded)), "sampling and scoring (no autograd): stock's skip"
+        with mask_unread():  # nested: still swapped, put back only by the outer one
+            assert skip(unpadded) is False
+        assert skip(unpadded) is False
+    assert masking_utils._ignore_causal_mask_sdpa is original, "the identical function is put back"
+    run(overlap_micro_batches=True)
+    assert masking_utils._ignore_causal_mask_sdpa is original, "and after a training run"
 
 
 def fake_trainer(running: torch.Tensor, *, step: int = 3, last_logged: int = 1, nan_filter: bool = True):
@@ -110,9 +142,9 @@ def test_a_non_finite_loss_becomes_what_the_trainer_adds_in_its_place(bad):
 def test_a_finite_loss_is_added_as_it_is_and_the_check_reads_nothing():
     running = torch.tensor(6.0)
     out = filtered(fake_trainer(running), torch.tensor(0.25, dtype=torch.bfloat16))
-    with LossReads() as reads:
+    with HostReads() as reads:
         assert not (torch.isnan(out) or torch.isinf(out))
-    assert reads.reads == 0
+    assert reads.loss == 0
     running += out
     assert running.item() == 6.25 and running.dtype == torch.float32
 
@@ -144,7 +176,7 @@ def test_only_inside_train_and_train_s_result_and_errors_pass_through():
         return "trained"
 
     trainer.train = train
-    enable_device_nan_filter(trainer)
+    enable_overlap(trainer)
     assert trainer.train() == "trained" and isinstance(seen[-1], FilteredLoss) and seen[-1].item() == 2.0
     with pytest.raises(RuntimeError, match="out of memory"):
         trainer.train(fail=True)
