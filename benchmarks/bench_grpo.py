@@ -53,7 +53,7 @@ op's tiles (``lora_dropout.TILES`` as JSON),
 ``BENCH_DOWN_LAST=0`` with the down projection's base matmul inside their graph (recomputed with checkpointing),
 ``BENCH_SHARED_PROMPT=0`` the decode attention kernel reading every row's own copy of its prompt's slots (not the
 prompt's first row's), ``BENCH_PLAIN_LAYERS=n`` the last n decoder layers without gradient checkpointing (their activations kept,
-no recomputation), ``BENCH_NAN_FILTER=0`` the Trainer's ``logging_nan_inf_filter`` off (its per-micro-batch check of the loss waits for the device), ``BENCH_GC_FREEZE=1`` Python's collector frozen (``gc.freeze()``) after the warm-up steps, ``BENCH_KEEP_CACHE=1``
+no recomputation), ``BENCH_NAN_FILTER=0`` the Trainer's ``logging_nan_inf_filter`` off (its per-micro-batch check of the loss waits for the device), ``BENCH_ALTERNATE_OVERLAP=1`` the steps cycling through ``overlap_micro_batches``' pieces (both, neither, the loss filter alone; ``overlap_mode`` in each step's record), ``BENCH_GC_FREEZE=1`` Python's collector frozen (``gc.freeze()``) after the warm-up steps, ``BENCH_KEEP_CACHE=1``
 the fast generation emptying the allocator's cache only where the last capture's pool does not fit (not also where
 a quarter of the allowed memory is not left), ``BENCH_CAPTURE_SYNC=1`` the capture waiting for the device before
 it records the round's graph (where it records while the device still runs the prefill), ``BENCH_PREFILL_ALL=1``
@@ -499,10 +499,14 @@ class StepTimer:
                 cur["step_s"] = time.perf_counter() - cur.pop("t0")
                 if timer.step_trace and _TRACING == ["step"]:
                     timer.stop_step_trace()
+                if os.environ.get("BENCH_ALTERNATE_OVERLAP") == "1":
+                    cur["overlap_mode"] = OVERLAP_MODES.index(_OVERLAP[0])
+                    _OVERLAP[0] = OVERLAP_MODES[(len(timer.steps) + 1) % len(OVERLAP_MODES)]
                 timer.steps.append(cur)
                 timer.cur = None
                 d = derive(cur)
-                log(f"  {timer.label} step {len(timer.steps)}/{timer.total}: {cur['step_s']:.2f} s "
+                mode = f" [{OVERLAP_MODES[cur['overlap_mode']]}]" if "overlap_mode" in cur else ""
+                log(f"  {timer.label}{mode} step {len(timer.steps)}/{timer.total}: {cur['step_s']:.2f} s "
                     f"(generate {d['generate_s']:.2f}, rewards {d['rewards_s']:.3f}, "
                     f"loss/backward {d['loss_backward_s']:.2f}; gc {d['gc_s']:.2f} ({d['gc_full']} full); "
                     f"{int(cur.get('completion_tokens', 0))} tokens"
@@ -690,6 +694,7 @@ def derive(step: dict[str, float]) -> dict[str, float]:
         "train_alloc_retries": step.get("training_step_alloc_retries"),
         "gc_s": step.get("gc_s", 0.0),  # Python's collector, anywhere in the step
         "gc_full": step.get("gc_full", 0),  # of it, full (generation 2) collections
+        **({"overlap_mode": step["overlap_mode"]} if "overlap_mode" in step else {}),  # BENCH_ALTERNATE_OVERLAP
         "train_calls_s": step.get("training_step_calls"),  # per micro-batch (the first one's sampling included)
         "train_calls_mallocs": step.get("training_step_mallocs"),
     }
@@ -760,6 +765,8 @@ def run_variant(args, variant: str, round_idx: int, ctx: dict[str, Any]) -> dict
 
         room = fused_loop._room
         fused_loop._room = lambda: (room()[0], 0)
+    if os.environ.get("BENCH_ALTERNATE_OVERLAP") == "1":  # overlap_micro_batches' pieces step by step
+        _alternate_overlap()
     if os.environ.get("BENCH_CAPTURE_SYNC") == "1":  # the device waited for before the graph is recorded
         _capture_after_waiting()
     if os.environ.get("BENCH_PREFILL_ALL") == "1":  # every row prefilled, repeated prompts too
@@ -884,6 +891,24 @@ def _plain_layers(model, n: int, rank: int) -> None:
     for layer in layers:
         layer.gradient_checkpointing = False
     log(f"the last {len(layers)} of {len(every)} decoder layers without checkpointing", rank)
+
+
+#: BENCH_ALTERNATE_OVERLAP=1: the steps of one run cycle through these (``overlap_mode`` in each step's record
+#: is the index): both of overlap_micro_batches' pieces, neither, the loss filter alone
+OVERLAP_MODES = ("both", "none", "filter")
+_OVERLAP = [OVERLAP_MODES[0]]
+
+
+def _alternate_overlap() -> None:
+    """``overlap_micro_batches``' two pieces on or off per step (``OVERLAP_MODES``), so one process, one machine
+    and one compiled model time them side by side (rows in separate processes differ by ~0.1 s on their own)."""
+    import contextlib
+
+    from grpo_patches import overlap
+
+    filtered, mask_unread = overlap.filtered, overlap.mask_unread
+    overlap.filtered = lambda trainer, loss: filtered(trainer, loss) if _OVERLAP[0] != "none" else loss
+    overlap.mask_unread = lambda: mask_unread() if _OVERLAP[0] == "both" else contextlib.nullcontext()
 
 
 def _capture_after_waiting() -> None:
