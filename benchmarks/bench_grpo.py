@@ -53,7 +53,7 @@ op's tiles (``lora_dropout.TILES`` as JSON),
 ``BENCH_DOWN_LAST=0`` with the down projection's base matmul inside their graph (recomputed with checkpointing),
 ``BENCH_SHARED_PROMPT=0`` the decode attention kernel reading every row's own copy of its prompt's slots (not the
 prompt's first row's), ``BENCH_PLAIN_LAYERS=n`` the last n decoder layers without gradient checkpointing (their activations kept,
-no recomputation), ``BENCH_NAN_FILTER=0`` the Trainer's ``logging_nan_inf_filter`` off (its per-micro-batch check of the loss waits for the device), ``BENCH_ALTERNATE_OVERLAP=1`` the steps cycling through ``overlap_micro_batches``' pieces (both, neither, the loss filter alone; ``overlap_mode`` in each step's record), ``BENCH_GC_FREEZE=1`` Python's collector frozen (``gc.freeze()``) after the warm-up steps, ``BENCH_KEEP_CACHE=1``
+no recomputation), ``BENCH_NAN_FILTER=0`` the Trainer's ``logging_nan_inf_filter`` off (its per-micro-batch check of the loss waits for the device), ``BENCH_OVERLAP=1`` the trainer without the host's two waits between micro-batches (``grpo_patches/overlap.py``), ``BENCH_ALTERNATE_OVERLAP=1`` the same with the steps cycling through its pieces (both, neither, the loss filter alone; ``overlap_mode`` in each step's record), ``BENCH_GC_FREEZE=1`` Python's collector frozen (``gc.freeze()``) after the warm-up steps, ``BENCH_KEEP_CACHE=1``
 the fast generation emptying the allocator's cache only where the last capture's pool does not fit (not also where
 a quarter of the allowed memory is not left), ``BENCH_CAPTURE_SYNC=1`` the capture waiting for the device before
 it records the round's graph (where it records while the device still runs the prefill), ``BENCH_PREFILL_ALL=1``
@@ -132,12 +132,9 @@ VARIANTS: dict[str, tuple[dict[str, Any] | None, dict[str, Any]]] = {
                                 "compile_training": True}, {}),
     "patched-graph-lean-kg-compiled": ({"reward_placement": "local", "fast_generation": {
         "decode_loop": "graph", "keep_graph": True}, "lean_lora": True, "compile_training": True}, {}),
-    # apply(speed=True): fast_generation + lean_lora + compile_training + compile_reward_models + freeze_gc +
-    # overlap_micro_batches, each at its defaults
+    # apply(speed=True): fast_generation + lean_lora + compile_training + compile_reward_models + freeze_gc, each at
+    # its defaults
     "patched-speed": ({"reward_placement": "local", "speed": True}, {}),
-    # the same with the host waiting for each micro-batch's backward, as stock (the Trainer's NaN / inf check of the
-    # loss, the training mask's read of the padding)
-    "patched-speed-no-overlap": ({"reward_placement": "local", "speed": True, "overlap_micro_batches": False}, {}),
     # the same keeping the fused loop's CUDA graph between rounds (replayed where the caches come back in place)
     "patched-speed-kg": ({"reward_placement": "local", "speed": True, "fast_generation": {"keep_graph": True}}, {}),
     # the same with the reward model scoring eagerly, as stock
@@ -765,7 +762,7 @@ def run_variant(args, variant: str, round_idx: int, ctx: dict[str, Any]) -> dict
 
         room = fused_loop._room
         fused_loop._room = lambda: (room()[0], 0)
-    if os.environ.get("BENCH_ALTERNATE_OVERLAP") == "1":  # overlap_micro_batches' pieces step by step
+    if os.environ.get("BENCH_ALTERNATE_OVERLAP") == "1":  # grpo_patches/overlap.py's pieces step by step
         _alternate_overlap()
     if os.environ.get("BENCH_CAPTURE_SYNC") == "1":  # the device waited for before the graph is recorded
         _capture_after_waiting()
@@ -805,6 +802,10 @@ def run_variant(args, variant: str, round_idx: int, ctx: dict[str, Any]) -> dict
         peft_config=lora, callbacks=[timer.callback()],
     )
     del policy, reward_model  # the trainer holds what it uses
+    if os.environ.get("BENCH_OVERLAP") == "1" or os.environ.get("BENCH_ALTERNATE_OVERLAP") == "1":
+        from grpo_patches.overlap import enable_overlap
+
+        enable_overlap(trainer)
     if variant == "stock-graph":
         from grpo_patches.targets.trl_generation import enable_fast_generation
 
@@ -894,13 +895,13 @@ def _plain_layers(model, n: int, rank: int) -> None:
 
 
 #: BENCH_ALTERNATE_OVERLAP=1: the steps of one run cycle through these (``overlap_mode`` in each step's record
-#: is the index): both of overlap_micro_batches' pieces, neither, the loss filter alone
+#: is the index): both of ``grpo_patches/overlap.py``'s pieces, neither, the loss filter alone
 OVERLAP_MODES = ("both", "none", "filter")
 _OVERLAP = [OVERLAP_MODES[0]]
 
 
 def _alternate_overlap() -> None:
-    """``overlap_micro_batches``' two pieces on or off per step (``OVERLAP_MODES``), so one process, one machine
+    """``grpo_patches/overlap.py``'s two pieces on or off per step (``OVERLAP_MODES``), so one process, one machine
     and one compiled model time them side by side (rows in separate processes differ by ~0.1 s on their own)."""
     import contextlib
 

@@ -1,4 +1,4 @@
-"""The host queues the next micro-batch while the device runs this one (``apply(overlap_micro_batches=True)``).
+"""The host queues the next micro-batch while the device runs this one (not an ``apply()`` option yet).
 
 Two host reads of device values stand between a micro-batch's backward and the next micro-batch's forward in
 a transformers ``Trainer`` (TRL's): each makes the host wait for the backward to finish, after which the device
@@ -20,6 +20,11 @@ idles while the host runs the Trainer's loop, TRL's input slicing and the forwar
 
 Both only while the trainer's ``train()`` runs. Elsewhere, on older transformers and in the vendored trainer,
 which has neither read, nothing changes.
+
+Not offered through ``apply()`` until a GPU run shows it pays: the loss filter alone did not move the 1.5B H100
+step (the mask's read then waited instead), and the mask built for a micro-batch without padding trades
+SDPA's flash kernel for a masked one, which the benchmark's unpadded micro-batches would feel. ``benchmarks/
+bench_grpo.py`` turns it on (``BENCH_OVERLAP=1``) or cycles its pieces step by step (``BENCH_ALTERNATE_OVERLAP=1``).
 """
 
 from __future__ import annotations

@@ -81,18 +81,10 @@ OPTIONS: tuple[Option, ...] = (
            "after the first optimizer step, a full collection and ``gc.freeze()`` (Python's collector no longer "
            "walks what that step built); ``gc.unfreeze()`` when ``train()`` returns or raises. ``None`` or "
            "``False``: off."),
-    Option("overlap_micro_batches", None, "bool | None",
-           "the host queues the next micro-batch while the device still runs this one: the Trainer's NaN / inf "
-           "filter of each micro-batch's loss (``logging_nan_inf_filter``) runs on the device, and the training "
-           "forward's SDPA mask is built without reading the padding mask; the logged loss is the same number. "
-           "transformers >= 5.3 (no-op before, and in the vendored trainer). ``None``: as ``speed``.",
-           "the host queues the next micro-batch while the device still runs this one (the Trainer's NaN / inf "
-           "filter on the device, the training forward's mask built without a read); the logged loss is the same "
-           "number (transformers >= 5.3). ``None`` or ``False``: off."),
     Option("speed", False, "bool",
            "the GPU path measured fastest at every batch tried: ``fast_generation``, ``lean_lora``, "
-           "``compile_training``, ``compile_reward_models``, ``freeze_gc`` and ``overlap_micro_batches`` on, each "
-           "still set by its own option when given (``speed=True, compile_training=False`` keeps stock's training numerics). Refused, naming "
+           "``compile_training``, ``compile_reward_models`` and ``freeze_gc`` on, each still set by its own option "
+           "when given (``speed=True, compile_training=False`` keeps stock's training numerics). Refused, naming "
            "the option, where one of them cannot apply. Off by default: it changes what is sampled and the "
            "training numerics."),
     Option("targets", ("trl", "vendored"), "tuple[str, ...]",

@@ -1,4 +1,4 @@
-"""``apply(overlap_micro_batches=True)``: no host read of a device value between a micro-batch's backward and the
+"""``grpo_patches.overlap``: no host read of a device value between a micro-batch's backward and the
 next micro-batch's forward.
 
 Stock transformers reads each micro-batch's loss on the host (``torch.isnan(loss) or torch.isinf(loss)``) and, in
@@ -66,11 +66,12 @@ def spoiled(trainer):
     return trainer
 
 
-def run(**kw):
+def run(overlap: bool = False, nan_filter: bool = True):
     """Six micro-batches (three steps of two), the losses of ``BAD`` spoiled: (logged losses, host reads)."""
-    nan_filter = kw.pop("logging_nan_inf_filter", True)
     args = grpo_args(max_steps=3, gradient_accumulation_steps=2, logging_nan_inf_filter=nan_filter)
-    trainer = spoiled(patched_trl_trainer(args, **kw))
+    trainer = spoiled(patched_trl_trainer(args))
+    if overlap:
+        enable_overlap(trainer)
     with HostReads() as reads:
         trainer.train()
     return [h["loss"] for h in trainer.state.log_history if "loss" in h], reads
@@ -81,7 +82,7 @@ def test_no_host_read_between_micro_batches_and_the_logged_losses_are_stock_s():
     assert stock_reads.loss >= 6, "stock: isnan / isinf of the loss read on the host for each of the six micro-batches"
     assert stock_reads.mask >= 6, "stock: the padding mask read in each micro-batch's training forward"
     assert all(loss == loss and abs(loss) != float("inf") for loss in stock), "stock filtered the spoiled losses"
-    losses, reads = run(overlap_micro_batches=True)
+    losses, reads = run(overlap=True)
     assert losses == stock, "the same logged losses, to the bit"
     if _RUNNING_LOSS_ON_TRAINER:
         assert (reads.loss, reads.mask) == (0, 0), "neither the loss nor the padding mask is read"
@@ -90,8 +91,8 @@ def test_no_host_read_between_micro_batches_and_the_logged_losses_are_stock_s():
 
 
 def test_with_the_filter_off_the_option_filters_nothing():
-    stock, _ = run(logging_nan_inf_filter=False)
-    losses, _ = run(overlap_micro_batches=True, logging_nan_inf_filter=False)
+    stock, _ = run(nan_filter=False)
+    losses, _ = run(overlap=True, nan_filter=False)
     assert stock and stock[0] != stock[0], "step 1 holds the NaN micro-batch: logged as NaN, unfiltered"
     assert [str(loss) for loss in losses] == [str(loss) for loss in stock]
 
@@ -118,7 +119,7 @@ def test_inside_a_step_the_training_mask_is_built_unread_and_everything_else_is_
             assert skip(unpadded) is False
         assert skip(unpadded) is False
     assert masking_utils._ignore_causal_mask_sdpa is original, "the identical function is put back"
-    run(overlap_micro_batches=True)
+    run(overlap=True)
     assert masking_utils._ignore_causal_mask_sdpa is original, "and after a training run"
 
 
