@@ -13,18 +13,20 @@ idles while the host runs the Trainer's loop, TRL's input slicing and the forwar
   itself (``_tr_loss``, transformers >= 5.3), the filter is on, not under XLA (which skips the check), and the
   loss is one value on the running loss's device.
 - **The causal mask's "is there padding?"**: transformers' SDPA mask (``masking_utils``) reads the padding mask
-  (``padding_mask.all()``) to skip building a mask where nothing is padded. Inside ``training_step`` with
-  autograd on (the training forward; sampling and scoring run without it) the answer is "build it", as
-  transformers answers while tracing: the same attention, through a masked kernel where a micro-batch has no
-  padding at all (GRPO's padded completions almost always have some).
+  (``padding_mask.all()``) to skip building a mask where nothing is padded (SDPA's flash kernel then runs). Here
+  the answer comes from the host: when TRL's generation batch is scored, each row's "nothing padded" (its prompt
+  and completion masks all ones) is read once, where TRL has just read the rewards back, and rides in the batch
+  as a CPU tensor through TRL's shuffle and split; each micro-batch takes its own off before the loss sees it.
+  Inside ``training_step`` with autograd on (the training forward; sampling and scoring run without it) the skip
+  test then runs on that answer, without the read; where no answer came (another TRL), the mask is built, as
+  transformers does while tracing.
 
 Both only while the trainer's ``train()`` runs. Elsewhere, on older transformers and in the vendored trainer,
 which has neither read, nothing changes.
 
 Not offered through ``apply()`` until a GPU run shows it pays: the loss filter alone did not move the 1.5B H100
-step (the mask's read then waited instead), and the mask built for a micro-batch without padding trades
-SDPA's flash kernel for a masked one, which the benchmark's unpadded micro-batches would feel. ``benchmarks/
-bench_grpo.py`` turns it on (``BENCH_OVERLAP=1``) or cycles its pieces step by step (``BENCH_ALTERNATE_OVERLAP=1``).
+step (the mask's read then waited instead). ``benchmarks/bench_grpo.py`` turns it on (``BENCH_OVERLAP=1``) or
+cycles its pieces step by step (``BENCH_ALTERNATE_OVERLAP=1``).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["FilteredLoss", "enable_overlap", "filtered"]
+__all__ = ["FilteredLoss", "enable_overlap", "filtered", "mark_unpadded", "mask_unread", "take_unpadded"]
 
 _CHECKS = frozenset({torch.isnan, torch.isinf, torch.Tensor.isnan, torch.Tensor.isinf})
 
@@ -73,7 +75,27 @@ def filtered(trainer: Any, loss: Any) -> Any:
     return torch.where(torch.isfinite(loss), loss, running / since).as_subclass(FilteredLoss)
 
 
-_unread = threading.local()  # .depth: training_step calls in progress on this thread that skip the mask's read
+_unread = threading.local()  # .depth: training_step calls in progress on this thread that skip the mask's read;
+# .unpadded: whether the micro-batch being trained has no padding at all (None: not known)
+_ROWS = "_grpo_patches_unpadded"  # the generation batch's key: per row, nothing padded (a CPU bool tensor)
+
+
+def mark_unpadded(batch: Any) -> Any:
+    """``batch`` (TRL's scored generation batch) with, per row, whether its prompt and completion masks are all
+    ones: a CPU tensor, so TRL's shuffle and split carry it to each micro-batch and reading it costs no wait."""
+    if isinstance(batch, dict) and all(isinstance(batch.get(k), torch.Tensor) for k in ("prompt_mask",
+                                                                                        "completion_mask")):
+        batch[_ROWS] = (batch["prompt_mask"].bool().all(1) & batch["completion_mask"].bool().all(1)).cpu()
+    return batch
+
+
+def take_unpadded(inputs: Any) -> Any:
+    """A micro-batch without :func:`mark_unpadded`'s key (a copy: TRL reuses its buffered micro-batches), its answer
+    kept for this thread's training forward."""
+    if isinstance(inputs, dict) and _ROWS in inputs:
+        inputs = dict(inputs)
+        _unread.unpadded = bool(inputs.pop(_ROWS).all())
+    return inputs
 
 
 @functools.cache
@@ -89,8 +111,14 @@ def _masking_utils() -> Any:
 def _mask_kept(original: Any) -> Any:
     @functools.wraps(original)
     def ignore_causal_mask_sdpa(*args: Any, **kwargs: Any) -> bool:
-        if getattr(_unread, "depth", 0) and torch.is_grad_enabled():
-            return False  # build the mask: no read of the padding mask (see the module docstring)
+        if not (getattr(_unread, "depth", 0) and torch.is_grad_enabled()):
+            return original(*args, **kwargs)
+        if not getattr(_unread, "unpadded", None):
+            return False  # padded, or not known: build the mask, no read (see the module docstring)
+        if "padding_mask" in kwargs:  # nothing padded: transformers' own test, on no padding mask
+            kwargs["padding_mask"] = None
+        else:
+            args = (None, *args[1:])
         return original(*args, **kwargs)
 
     ignore_causal_mask_sdpa.grpo_patches_original = original  # type: ignore[attr-defined]
@@ -118,6 +146,16 @@ def mask_unread() -> Iterator[None]:
             module._ignore_causal_mask_sdpa = original
 
 
+def _after(method: Any, then: Any, training: list[int]) -> Any:
+    """``method``, its result passed through ``then`` while ``train()`` runs."""
+    @functools.wraps(method)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        out = method(*args, **kwargs)
+        return then(out) if training[0] else out
+
+    return wrapped
+
+
 def enable_overlap(trainer: Any) -> None:
     """Take both host reads out of ``trainer``'s micro-batches while its ``train()`` runs (a transformers
     ``Trainer``, TRL's); a trainer without ``training_step`` (the vendored one) is left alone."""
@@ -130,9 +168,18 @@ def enable_overlap(trainer: Any) -> None:
     def training_step(*args: Any, **kwargs: Any) -> Any:
         if not training[0]:
             return step(*args, **kwargs)
-        with mask_unread():
-            loss = step(*args, **kwargs)
+        _unread.unpadded = None
+        try:
+            with mask_unread():
+                loss = step(*args, **kwargs)
+        finally:
+            _unread.unpadded = None
         return filtered(trainer, loss)
+
+    for name, wrap in (("_generate_and_score_completions", mark_unpadded), ("_prepare_inputs", take_unpadded)):
+        method = getattr(trainer, name, None)  # TRL's; the vendored trainer has neither
+        if method is not None:
+            setattr(trainer, name, _after(method, wrap, training))
 
     @functools.wraps(train)
     def train_overlapping(*args: Any, **kwargs: Any) -> Any:

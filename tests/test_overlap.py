@@ -15,7 +15,15 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import grpo_patches
-from grpo_patches.overlap import FilteredLoss, enable_overlap, filtered, mask_unread
+from grpo_patches import overlap as overlap_module
+from grpo_patches.overlap import (
+    FilteredLoss,
+    enable_overlap,
+    filtered,
+    mark_unpadded,
+    mask_unread,
+    take_unpadded,
+)
 from tests.helpers import grpo_args, patched_trl_trainer
 
 transformers = pytest.importorskip("transformers")
@@ -66,12 +74,22 @@ def spoiled(trainer):
     return trainer
 
 
-def run(overlap: bool = False, nan_filter: bool = True):
-    """Six micro-batches (three steps of two), the losses of ``BAD`` spoiled: (logged losses, host reads)."""
+def run(overlap: bool = False, nan_filter: bool = True, answers: list | None = None):
+    """Six micro-batches (three steps of two), the losses of ``BAD`` spoiled: (logged losses, host reads).
+    ``answers``: per micro-batch, (the host's "nothing padded", the masks' own, whether the key reached the loss)."""
     args = grpo_args(max_steps=3, gradient_accumulation_steps=2, logging_nan_inf_filter=nan_filter)
     trainer = spoiled(patched_trl_trainer(args))
     if overlap:
         enable_overlap(trainer)
+    if answers is not None:
+        compute = trainer.compute_loss
+
+        def compute_loss(model, inputs, *args, **kwargs):
+            mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+            answers.append((overlap_module._unread.unpadded, bool(mask.all()), overlap_module._ROWS in inputs))
+            return compute(model, inputs, *args, **kwargs)
+
+        trainer.compute_loss = compute_loss
     with HostReads() as reads:
         trainer.train()
     return [h["loss"] for h in trainer.state.log_history if "loss" in h], reads
@@ -82,8 +100,11 @@ def test_no_host_read_between_micro_batches_and_the_logged_losses_are_stock_s():
     assert stock_reads.loss >= 6, "stock: isnan / isinf of the loss read on the host for each of the six micro-batches"
     assert stock_reads.mask >= 6, "stock: the padding mask read in each micro-batch's training forward"
     assert all(loss == loss and abs(loss) != float("inf") for loss in stock), "stock filtered the spoiled losses"
-    losses, reads = run(overlap=True)
+    answers: list = []
+    losses, reads = run(overlap=True, answers=answers)
     assert losses == stock, "the same logged losses, to the bit"
+    assert len(answers) == 6 and all(host == own and not leaked for host, own, leaked in answers), answers
+    assert {own for _, own, _ in answers} == {True, False}, "micro-batches with and without padding both ran"
     if _RUNNING_LOSS_ON_TRAINER:
         assert (reads.loss, reads.mask) == (0, 0), "neither the loss nor the padding mask is read"
     else:  # the running loss in a local variable, the mask built by each model: the option leaves both alone
@@ -184,3 +205,37 @@ def test_only_inside_train_and_train_s_result_and_errors_pass_through():
     assert isinstance(seen[-1], FilteredLoss)
     outside = trainer.training_step()
     assert type(outside) is torch.Tensor and outside.isnan(), "a direct call outside train() gets the raw loss"
+
+
+@pytest.mark.skipif(not _RUNNING_LOSS_ON_TRAINER, reason="transformers < 5.3 decides the mask skip elsewhere")
+@pytest.mark.parametrize(("unpadded", "skipped"), [(True, True), (False, False), (None, False)])
+def test_the_skip_test_runs_on_the_host_s_answer(unpadded, skipped):
+    """Nothing padded: transformers' own skip (flash attention kept); padded or not known: built; never a read."""
+    from transformers import masking_utils
+
+    padded = torch.tensor([[True, True, True, True, True], [False, True, True, True, True]])
+    with mask_unread():
+        overlap_module._unread.unpadded = unpadded
+        try:
+            with HostReads() as reads:
+                got = masking_utils._ignore_causal_mask_sdpa(padded, 5, 5, 0, 0, None)
+        finally:
+            overlap_module._unread.unpadded = None
+    assert bool(got) is skipped and reads.mask == 0
+
+
+def test_each_micro_batch_carries_its_rows_answer_through_trl_s_shuffle_and_split():
+    from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
+
+    prompt_mask = torch.tensor([[1, 1], [0, 1], [1, 1], [1, 1]])
+    completion_mask = torch.tensor([[1, 1, 1], [1, 1, 1], [1, 1, 0], [1, 1, 1]])
+    batch = mark_unpadded({"prompt_ids": torch.arange(4)[:, None], "prompt_mask": prompt_mask,
+                           "completion_mask": completion_mask})
+    assert batch[overlap_module._ROWS].device.type == "cpu"
+    assert batch[overlap_module._ROWS].tolist() == [True, False, False, True]
+    for micro in split_tensor_dict(shuffle_sequence_dict(batch), 2):
+        rows = micro["prompt_ids"][:, 0].tolist()
+        taken = take_unpadded(micro)
+        assert overlap_module._ROWS not in taken and overlap_module._ROWS in micro, "a copy: TRL reuses the batch"
+        assert overlap_module._unread.unpadded is (set(rows) <= {0, 3})
+    overlap_module._unread.unpadded = None
