@@ -1331,20 +1331,27 @@ def grid_phase_table(out: Path) -> str:
     lines = ["| run | step s (x floor) | sampling s (x floor) | reward model s (x floor) | training s (x floor) | "
              "other s | warm-up steps s |", "|---|---|---|---|---|---|---|"]
     for rec in load_jsonl(out / "grid" / "results.jsonl"):
-        steps = rec["timed_steps"]
-        if not steps:
+        if not rec["timed_steps"]:
             continue
         fl = step_floor(rec["policy"], rec["per_device_batch"] * rec["grad_accum"],
                         rec["per_device_batch"] * (rec["steps_per_generation"] or rec["grad_accum"]),
                         rec["floor"]["prompt_len"], rec["completion_len"], rec["grad_ckpt"] == "on",
                         rec.get("num_generations", 1), rec.get("device"))
-        m = {k: statistics.median(st[k] for st in steps) for k in ("step_s", "generate_s", "rewards_s")}
-        m["training_s"] = statistics.median(st["loss_backward_s"] for st in steps)
-        m["other_s"] = statistics.median(st["score_other_s"] + st["prepare_other_s"] + st["other_s"] for st in steps)
-        cell = {k: f"{m[k]:.2f} ({m[k] / fl[f'floor_{k[:-2]}_s']:.1f}x)" for k in ("generate_s", "rewards_s", "training_s")}
+        groups: dict[str, list[dict]] = {}  # BENCH_ALTERNATE_OVERLAP: one line per overlap mode
+        for st in rec["timed_steps"]:
+            mode = st.get("overlap_mode")
+            groups.setdefault("" if mode is None else f" [{OVERLAP_MODES[mode]}]", []).append(st)
         warm = ", ".join(f"{st['step_s']:.1f}" for st in rec.get("warmup_steps", []))
-        lines.append(f"| {rec.get('tag', rec['variant'])} | {m['step_s']:.2f} ({m['step_s'] / fl['floor_s']:.2f}x) | "
-                     f"{cell['generate_s']} | {cell['rewards_s']} | {cell['training_s']} | {m['other_s']:.2f} | {warm} |")
+        for label, steps in groups.items():
+            m = {k: statistics.median(st[k] for st in steps) for k in ("step_s", "generate_s", "rewards_s")}
+            m["training_s"] = statistics.median(st["loss_backward_s"] for st in steps)
+            m["other_s"] = statistics.median(st["score_other_s"] + st["prepare_other_s"] + st["other_s"]
+                                             for st in steps)
+            cell = {k: f"{m[k]:.2f} ({m[k] / fl[f'floor_{k[:-2]}_s']:.1f}x)"
+                    for k in ("generate_s", "rewards_s", "training_s")}
+            lines.append(f"| {rec.get('tag', rec['variant'])}{label} | {m['step_s']:.2f} "
+                         f"({m['step_s'] / fl['floor_s']:.2f}x) | {cell['generate_s']} | {cell['rewards_s']} | "
+                         f"{cell['training_s']} | {m['other_s']:.2f} | {warm} |")
     return "\n".join(lines)
 
 
