@@ -3,7 +3,7 @@ next micro-batch's forward.
 
 Stock transformers reads each micro-batch's loss on the host (``torch.isnan(loss) or torch.isinf(loss)``) and, in
 the training forward's SDPA mask, the padding mask (``padding_mask.all()``): on a GPU each is a wait for the
-device. With the option neither is read and every logged loss is the same number."""
+device. With ``enable_overlap`` neither is read and every logged loss is the same number."""
 
 from __future__ import annotations
 
@@ -107,11 +107,11 @@ def test_no_host_read_between_micro_batches_and_the_logged_losses_are_stock_s():
     assert {own for _, own, _ in answers} == {True, False}, "micro-batches with and without padding both ran"
     if _RUNNING_LOSS_ON_TRAINER:
         assert (reads.loss, reads.mask) == (0, 0), "neither the loss nor the padding mask is read"
-    else:  # the running loss in a local variable, the mask built by each model: the option leaves both alone
+    else:  # the running loss in a local variable, the mask decided elsewhere: both left as they are
         assert (reads.loss, reads.mask) == (stock_reads.loss, stock_reads.mask)
 
 
-def test_with_the_filter_off_the_option_filters_nothing():
+def test_with_the_filter_off_nothing_is_filtered():
     stock, _ = run(nan_filter=False)
     losses, _ = run(overlap=True, nan_filter=False)
     assert stock and stock[0] != stock[0], "step 1 holds the NaN micro-batch: logged as NaN, unfiltered"
@@ -129,7 +129,7 @@ def test_inside_a_step_the_training_mask_is_built_unread_and_everything_else_is_
     def skip(mask):
         return masking_utils._ignore_causal_mask_sdpa(mask, 5, 5, 0, 0, None)
 
-    assert skip(unpadded) is True or bool(skip(unpadded)), "stock skips the mask of an unpadded batch"
+    assert bool(skip(unpadded)), "stock skips the mask of an unpadded batch"
     with mask_unread():
         with HostReads() as reads:
             assert skip(unpadded) is False, "the training forward: built, unread"
