@@ -27,7 +27,8 @@ from grpo_patches.overlap import (
 from tests.helpers import grpo_args, patched_trl_trainer
 
 transformers = pytest.importorskip("transformers")
-_RUNNING_LOSS_ON_TRAINER = tuple(int(p) for p in transformers.__version__.split(".")[:2]) >= (5, 3)
+# The module's own detection: transformers decides the SDPA mask skip in ``masking_utils`` (the mask piece) ...
+_MASK_SKIP_HERE = overlap_module._masking_utils() is not None
 
 BAD = {2: float("nan"), 4: float("inf"), 5: float("-inf")}  # 1-based micro-batches whose loss is not finite
 
@@ -46,7 +47,7 @@ class HostReads(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.checked: list[torch.Tensor] = []  # kept alive, so their ids stay theirs
-        self.loss = self.mask = 0
+        self.loss = self.mask = self.skip_test = 0  # skip_test: the mask's reads inside transformers' skip test
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -55,8 +56,10 @@ class HostReads(TorchDispatchMode):
         elif func is torch.ops.aten._local_scalar_dense.default:
             if any(args[0] is t for t in self.checked):
                 self.loss += 1
-            elif torch.is_grad_enabled() and any("masking_utils" in f.filename for f in traceback.extract_stack()):
-                self.mask += 1
+            elif torch.is_grad_enabled():
+                frames = [f for f in traceback.extract_stack() if "masking_utils" in f.filename]
+                self.mask += bool(frames)
+                self.skip_test += any(f.name == "_ignore_causal_mask_sdpa" for f in frames)
         return out
 
 
@@ -92,6 +95,7 @@ def run(overlap: bool = False, nan_filter: bool = True, answers: list | None = N
         trainer.compute_loss = compute_loss
     with HostReads() as reads:
         trainer.train()
+    reads.running_loss_on_trainer = hasattr(trainer, "_tr_loss")  # ... and keeps its running loss on itself (the loss piece)
     return [h["loss"] for h in trainer.state.log_history if "loss" in h], reads
 
 
@@ -105,10 +109,10 @@ def test_no_host_read_between_micro_batches_and_the_logged_losses_are_stock_s():
     assert losses == stock, "the same logged losses, to the bit"
     assert len(answers) == 6 and all(host == own and not leaked for host, own, leaked in answers), answers
     assert {own for _, own, _ in answers} == {True, False}, "micro-batches with and without padding both ran"
-    if _RUNNING_LOSS_ON_TRAINER:
-        assert (reads.loss, reads.mask) == (0, 0), "neither the loss nor the padding mask is read"
-    else:  # the running loss in a local variable, the mask decided elsewhere: both left as they are
-        assert (reads.loss, reads.mask) == (stock_reads.loss, stock_reads.mask)
+    # each piece where this transformers has its read; elsewhere the read is left as it is
+    assert reads.loss == (0 if reads.running_loss_on_trainer else stock_reads.loss), "the loss is not read"
+    assert reads.mask == (0 if _MASK_SKIP_HERE else stock_reads.mask), "the padding mask is not read"
+    assert _MASK_SKIP_HERE or not stock_reads.skip_test, "stock reads in the skip test the module did not find"
 
 
 def test_with_the_filter_off_nothing_is_filtered():
@@ -118,7 +122,7 @@ def test_with_the_filter_off_nothing_is_filtered():
     assert [str(loss) for loss in losses] == [str(loss) for loss in stock]
 
 
-@pytest.mark.skipif(not _RUNNING_LOSS_ON_TRAINER, reason="transformers < 5.3 decides the mask skip elsewhere")
+@pytest.mark.skipif(not _MASK_SKIP_HERE, reason="this transformers decides the SDPA mask skip elsewhere")
 def test_inside_a_step_the_training_mask_is_built_unread_and_everything_else_is_as_stock():
     from transformers import masking_utils
 
@@ -207,7 +211,7 @@ def test_only_inside_train_and_train_s_result_and_errors_pass_through():
     assert type(outside) is torch.Tensor and outside.isnan(), "a direct call outside train() gets the raw loss"
 
 
-@pytest.mark.skipif(not _RUNNING_LOSS_ON_TRAINER, reason="transformers < 5.3 decides the mask skip elsewhere")
+@pytest.mark.skipif(not _MASK_SKIP_HERE, reason="this transformers decides the SDPA mask skip elsewhere")
 @pytest.mark.parametrize(("unpadded", "skipped"), [(True, True), (False, False), (None, False)])
 def test_the_skip_test_runs_on_the_host_s_answer(unpadded, skipped):
     """Nothing padded: transformers' own skip (flash attention kept); padded or not known: built; never a read."""
