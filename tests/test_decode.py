@@ -95,6 +95,34 @@ def test_graph_loop_prefills_each_repeated_prompt_once_and_decodes_every_row_as_
     assert not torch.equal(fast[8, 9:], fast[9, 9:]), "the other mask gave another completion (the case is meaningful)"
 
 
+def test_graph_loop_passes_the_cache_by_the_name_the_models_forward_takes(monkeypatch):
+    """transformers 5.24 renamed a forward's ``past_key_values`` to ``cache`` (the old name warns on every call and
+    leaves the forwards in 5.40): the prefill, each prompt's once and every row's, and the decode steps pass the
+    cache by the name the model's forward takes; here a forward that takes only ``cache``."""
+    model = lora_policy()
+    ids, mask = batch([5, 9, 7, 9], seed=3)
+    ids, mask = ids[[0, 0, 1, 2, 3]], mask[[0, 0, 1, 2, 3]]  # rows 0 and 1 repeat: the once-per-prompt prefill
+    eager = eager_generate(model, ids, mask)
+    base = model.get_base_model()
+    stock, seen = type(base), []
+
+    class Renamed(stock):
+        def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, **kwargs):
+            assert "past_key_values" not in kwargs, "the cache came by its old name"
+            seen.append(cache is not None)
+            return stock.forward(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                 past_key_values=cache, **kwargs)
+
+    monkeypatch.setattr(base, "__class__", Renamed)
+    fast = fast_generate(model, ids, mask, generation_config=greedy(), config=graph_config(Counting()))
+    assert torch.equal(fast, eager) and len(seen) > 2 and all(seen), seen
+    monkeypatch.setattr(generation.decode, "repeated_rows", lambda *a: None)  # every row prefilled on its own
+    seen.clear()
+    assert torch.equal(fast_generate(model, ids, mask, generation_config=greedy(), config=graph_config(Counting())),
+                       eager)
+    assert len(seen) > 2 and all(seen), seen
+
+
 def test_graph_loop_prefills_every_row_where_the_distinct_prefill_cached_other_layers(monkeypatch):
     """Where the once-per-prompt prefill's cache holds other layers than the static cache (a model that caches
     some layers elsewhere), nothing of it is written: every row is prefilled as before, same tokens."""

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .cache import StaticCachePool
+from .cache import CACHE_ARGS, StaticCachePool, brought_cache, cache_arg
 from .config import FastGenerationConfig, cache_length, warn_once
 from .fused import FusedDecoder
 from .fused_loop import FusedLoopStats, fused_decode, make_room
@@ -53,10 +53,10 @@ _NEUTRAL: dict[str, tuple] = {
 }
 
 
-def _make_step(s: _Sampler) -> Callable:
+def _make_step(s: _Sampler, name: str) -> Callable:
     def graph_decode_step(model, cache, tokens, position_ids, cache_position, attention_mask, unfinished):
         out = model(input_ids=tokens, attention_mask=attention_mask, position_ids=position_ids,
-                    cache_position=cache_position, past_key_values=cache, use_cache=True)
+                    cache_position=cache_position, use_cache=True, **{name: cache})
         nxt = _pick(_warp(out.logits[:, -1, :], s), s)
         nxt = torch.where(unfinished, nxt, torch.full_like(nxt, s.pad))
         return nxt, unfinished & ~_eos_hit(nxt, s)
@@ -85,7 +85,7 @@ def _compiled_step(model: nn.Module, s: _Sampler, config: FastGenerationConfig) 
     key = (s, config.backend, kwargs.get("mode"), repr(kwargs.get("options")), config.fullgraph, config.dynamic)
     steps = _STEPS.setdefault(model, {})
     if key not in steps:
-        steps[key] = torch.compile(_make_step(s), **kwargs)
+        steps[key] = torch.compile(_make_step(s, cache_arg(model)), **kwargs)
     return steps[key]
 
 
@@ -194,7 +194,7 @@ def _prefill(model: nn.Module, cache: Any, input_ids: torch.Tensor, attention_ma
     source = None if logits is None else rows[0][rows[1]]
     if logits is None:
         logits = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, cache_position=cache_position,
-                       past_key_values=cache, use_cache=True, **extra).logits[:, -1, :]
+                       use_cache=True, **{cache_arg(model): cache}, **extra).logits[:, -1, :]
     return _pick(_warp(logits, s), s), mask, attention_mask.long().sum(-1, keepdim=True), source
 
 
@@ -222,7 +222,7 @@ def _prefill_distinct(model: nn.Module, cache: Any, input_ids: torch.Tensor, att
     first, group = rows
     distinct = DynamicCache()
     logits = model(input_ids=input_ids[first], attention_mask=attention_mask[first], position_ids=positions[first],
-                   cache_position=cache_position, past_key_values=distinct, use_cache=True, **extra).logits[:, -1, :]
+                   cache_position=cache_position, use_cache=True, **{cache_arg(model): distinct}, **extra).logits[:, -1, :]
     if len(distinct.layers) != len(cache.layers):
         return None
     for i, layer in enumerate(distinct.layers):
@@ -272,8 +272,8 @@ def _graph_decode(model: nn.Module, cache: Any, input_ids: torch.Tensor, attenti
 def _pooled_generate(model: nn.Module, pool: StaticCachePool | None, **kwargs: Any) -> Any:
     """``model.generate`` on the pool's cache for this batch (reset here, once per call), or on
     whatever cache the call brings or transformers builds (``pool=None``)."""
-    if pool is not None and kwargs.get("past_key_values") is None:
-        kwargs["past_key_values"] = pool.get(model, kwargs["input_ids"].shape[0])
+    if pool is not None and not brought_cache(kwargs):
+        kwargs[cache_arg(model)] = pool.get(model, kwargs["input_ids"].shape[0])
     return type(model).generate(model, **kwargs)
 
 
@@ -295,15 +295,15 @@ def _graph_generate(model: nn.Module, *, pool: StaticCachePool, config: FastGene
                     **kwargs: Any) -> Any:
     """``model.generate`` replacement for one call: the graph loop, or ``fallback`` (warned once).
 
-    The loop prefills from position 0, so a call that brings its own ``past_key_values`` (which may
+    The loop prefills from position 0, so a call that brings its own cache (which may
     hold a prefix) goes to ``fallback``. Its cache is the pool's (``reuse_cache``: one reset per
     call) or a new static cache.
     """
     reason = ""
     if input_ids is None:
         reason = "no input_ids"
-    elif kwargs.get("past_key_values") is not None:
-        reason = "generate(..., past_key_values=...) is not supported"
+    elif brought_cache(kwargs):
+        reason = f"generate(..., {brought_cache(kwargs)}=...) is not supported"
     else:
         s, max_new, reason = graph_decode_support(model, generation_config, input_ids.shape[1], kwargs)
     if reason:
@@ -313,7 +313,8 @@ def _graph_generate(model: nn.Module, *, pool: StaticCachePool, config: FastGene
                    f"grpo_patches fast_generation: decode_loop='graph' falls back to transformers' loop ({reason}).")
         return fallback(input_ids=input_ids, attention_mask=attention_mask, generation_config=generation_config,
                         **kwargs)
-    kwargs.pop("past_key_values", None)
+    for name in CACHE_ARGS:
+        kwargs.pop(name, None)
     length = pool.grow(cache_length(input_ids.shape[1], max_new, config))
     if config.reuse_cache:
         cache = pool.get(model, input_ids.shape[0])

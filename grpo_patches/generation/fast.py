@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .cache import StaticCachePool
+from .cache import StaticCachePool, brought_cache
 from .config import (
     FastGenerationConfig,
     cache_length,
@@ -207,7 +207,7 @@ def fast_generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: tor
                                              pad_token_id=base.pad_token_id or 0)
     with fast_call(state, model, base, device=next(model.parameters()).device,
                    prompt_length=input_ids.shape[1]) as call, torch.no_grad():
-        if state.compiled and kwargs.get("past_key_values") is not None:
+        if state.compiled and brought_cache(kwargs):
             call.generation_config.cache_implementation = None  # the call brings its own cache
         return call.generate(input_ids=input_ids, attention_mask=attention_mask,
                              generation_config=call.generation_config, logits_processor=logits_processor, **kwargs)
