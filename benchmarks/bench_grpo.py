@@ -53,7 +53,7 @@ op's tiles (``lora_dropout.TILES`` as JSON),
 ``BENCH_DOWN_LAST=0`` with the down projection's base matmul inside their graph (recomputed with checkpointing),
 ``BENCH_SHARED_PROMPT=0`` the decode attention kernel reading every row's own copy of its prompt's slots (not the
 prompt's first row's), ``BENCH_PLAIN_LAYERS=n`` the last n decoder layers without gradient checkpointing (their activations kept,
-no recomputation), ``BENCH_NAN_FILTER=0`` the Trainer's ``logging_nan_inf_filter`` off (its per-micro-batch check of the loss waits for the device), ``BENCH_OVERLAP=1`` the trainer without the host's two waits between micro-batches (``grpo_patches/overlap.py``), ``BENCH_ALTERNATE_OVERLAP=1`` the same with the steps cycling through its pieces (both, neither, the loss filter alone; ``overlap_mode`` in each step's record), ``BENCH_GC_FREEZE=1`` Python's collector frozen (``gc.freeze()``) after the warm-up steps, ``BENCH_KEEP_CACHE=1``
+no recomputation), ``BENCH_NAN_FILTER=0`` the Trainer's ``logging_nan_inf_filter`` off (its per-micro-batch check of the loss waits for the device), ``BENCH_OVERLAP=1`` the trainer without the host's two waits between micro-batches (``grpo_patches/overlap.py``; ``apply``'s ``overlap_micro_batches``, on in the speed variants), ``BENCH_ALTERNATE_OVERLAP=1`` the same with the steps cycling through its pieces (both, neither, the loss filter alone; ``overlap_mode`` in each step's record), ``BENCH_GC_FREEZE=1`` Python's collector frozen (``gc.freeze()``) after the warm-up steps, ``BENCH_KEEP_CACHE=1``
 the fast generation emptying the allocator's cache only where the last capture's pool does not fit (not also where
 a quarter of the allowed memory is not left), ``BENCH_CAPTURE_SYNC=1`` the capture waiting for the device before
 it records the round's graph (where it records while the device still runs the prefill), ``BENCH_PREFILL_ALL=1``
@@ -132,8 +132,8 @@ VARIANTS: dict[str, tuple[dict[str, Any] | None, dict[str, Any]]] = {
                                 "compile_training": True}, {}),
     "patched-graph-lean-kg-compiled": ({"reward_placement": "local", "fast_generation": {
         "decode_loop": "graph", "keep_graph": True}, "lean_lora": True, "compile_training": True}, {}),
-    # apply(speed=True): fast_generation + lean_lora + compile_training + compile_reward_models + freeze_gc, each at
-    # its defaults
+    # apply(speed=True): fast_generation + lean_lora + compile_training + compile_reward_models + freeze_gc +
+    # overlap_micro_batches, each at its defaults
     "patched-speed": ({"reward_placement": "local", "speed": True}, {}),
     # the same keeping the fused loop's CUDA graph between rounds (replayed where the caches come back in place)
     "patched-speed-kg": ({"reward_placement": "local", "speed": True, "fast_generation": {"keep_graph": True}}, {}),

@@ -20,8 +20,9 @@ What the patch does to each trainer built afterwards:
 * on request, samples through compiled decoding (``fast_generation``), lets the policy's LoRA
   layers skip PEFT's fp32 copy of their inputs under autocast (``lean_lora``) and compiles its
   decoder layers for the training forward and backward (``compile_training``) and the reward
-  models' decoder layers for scoring (``compile_reward_models``), and keeps Python's collector off what
-  the first step built (``freeze_gc``); ``speed=True`` turns all five on.
+  models' decoder layers for scoring (``compile_reward_models``), keeps Python's collector off what
+  the first step built (``freeze_gc``) and lets the host queue the next micro-batch while the device runs
+  this one (``overlap_micro_batches``); ``speed=True`` turns all six on.
 
 Besides the patch: :mod:`grpo_patches.defaults` (pinned LoRA / GRPO settings as real PEFT / TRL
 config objects), :func:`preflight` (per-rank memory estimate on the meta device, before a step
@@ -89,6 +90,7 @@ def apply(
     compile_training: bool | None = None,
     compile_reward_models: bool | None = None,
     freeze_gc: bool | None = None,
+    overlap_micro_batches: bool | None = None,
     speed: bool = False,
     targets: tuple[str, ...] = TARGETS,
 ) -> bool:
@@ -105,11 +107,11 @@ def apply(
 
     fast = _options.resolve_speed(speed, fast_generation=fast_generation, lean_lora=lean_lora,
                                   compile_training=compile_training, compile_reward_models=compile_reward_models,
-                                  freeze_gc=freeze_gc)
+                                  freeze_gc=freeze_gc, overlap_micro_batches=overlap_micro_batches)
     opts = _options.PatchOptions(reward_placement, reward_chunk_size, reward_timeout, strict,
                                  FastGenerationConfig.coerce(fast["fast_generation"]), fast["lean_lora"],
                                  fast["compile_training"], reward_failure, fast["compile_reward_models"],
-                                 fast["freeze_gc"])
+                                 fast["freeze_gc"], fast["overlap_micro_batches"])
     chosen = tuple(targets) if isinstance(targets, list | tuple) else (targets,)
     if not chosen or any(t not in TARGETS for t in chosen):
         raise ValueError(f"grpo_patches.apply: targets={targets!r}; expected a non-empty tuple of {TARGETS}.")

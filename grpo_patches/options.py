@@ -21,6 +21,8 @@ _SWITCHES = {
                          "eager, as stock"),
     "compile_reward_models": ("the reward models' decoder layers compiled for scoring", "eager, as stock"),
     "freeze_gc": ("Python's collector frozen after the first step, unfrozen at the end of training", "as stock"),
+    "overlap_micro_batches": ("the host queues the next micro-batch while the device runs this one (no read of the "
+                              "loss or the padding mask between them)", "as stock"),
 }
 #: What ``apply(speed=True)`` turns on: the GPU path measured fastest at every batch tried (docs/performance.md).
 SPEED_OPTIONS = ("fast_generation", *_SWITCHES)
@@ -77,6 +79,7 @@ class PatchOptions:
     reward_failure: str = "raise"
     compile_reward_models: bool = False
     freeze_gc: bool = False
+    overlap_micro_batches: bool = False
 
     def __post_init__(self) -> None:
         for name in ("reward_chunk_size", "reward_timeout", "strict", *_SWITCHES):

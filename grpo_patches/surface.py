@@ -81,9 +81,19 @@ OPTIONS: tuple[Option, ...] = (
            "after the first optimizer step, a full collection and ``gc.freeze()`` (Python's collector no longer "
            "walks what that step built); ``gc.unfreeze()`` when ``train()`` returns or raises. ``None`` or "
            "``False``: off."),
+    Option("overlap_micro_batches", None, "bool | None",
+           "while ``train()`` runs, no host read of a device value between a micro-batch's backward and the next "
+           "forward, so the host queues the next micro-batch while the device runs this one: the Trainer's NaN / "
+           "inf filter of the logged loss runs on the device (the same logged loss), and the training forward's "
+           "SDPA mask takes its \"no padding\" answer from the host, read once per generation batch. Where the "
+           "Trainer or transformers makes no such read, nothing changes. ``None``: as ``speed``.",
+           "while ``train()`` runs, no host read of a device value between micro-batches (the logged loss's NaN / "
+           "inf filter on the device, the SDPA mask's padding test answered by the host); the same logged loss. "
+           "``None`` or ``False``: off."),
     Option("speed", False, "bool",
            "the GPU path measured fastest at every batch tried: ``fast_generation``, ``lean_lora``, "
-           "``compile_training``, ``compile_reward_models`` and ``freeze_gc`` on, each still set by its own option "
+           "``compile_training``, ``compile_reward_models``, ``freeze_gc`` and ``overlap_micro_batches`` on, each "
+           "still set by its own option "
            "when given (``speed=True, compile_training=False`` keeps stock's training numerics). Refused, naming "
            "the option, where one of them cannot apply. Off by default: it changes what is sampled and the "
            "training numerics."),

@@ -37,7 +37,8 @@ def test_numpy_scalars_mean_the_python_value(chunk, timeout, int_type, float_typ
     ("reward_timeout", "600"), ("reward_timeout", True), ("reward_timeout", np.bool_(True)),
     ("reward_timeout", float("nan")), ("reward_timeout", np.float64("inf")), ("reward_timeout", 0),
     ("reward_timeout", MAX_REWARD_TIMEOUT * 2), ("strict", "False"), ("strict", 0), ("lean_lora", "true"),
-    ("lean_lora", 1), ("compile_training", np.int64(1)), ("compile_reward_models", "on"), ("freeze_gc", 1), ("reward_placement", "Main"),
+    ("lean_lora", 1), ("compile_training", np.int64(1)), ("compile_reward_models", "on"), ("freeze_gc", 1), ("overlap_micro_batches", "yes"),
+    ("reward_placement", "Main"),
     ("reward_failure", "drop"),
 ])
 def test_values_a_user_may_type_by_mistake_are_refused_with_the_name(name, value):

@@ -3,7 +3,8 @@ next micro-batch's forward.
 
 Stock transformers reads each micro-batch's loss on the host (``torch.isnan(loss) or torch.isinf(loss)``) and, in
 the training forward's SDPA mask, the padding mask (``padding_mask.all()``): on a GPU each is a wait for the
-device. With ``enable_overlap`` neither is read and every logged loss is the same number."""
+device. With ``apply(overlap_micro_batches=True)`` (``enable_overlap``) neither is read and every logged loss is the
+same number."""
 
 from __future__ import annotations
 
@@ -78,12 +79,11 @@ def spoiled(trainer):
 
 
 def run(overlap: bool = False, nan_filter: bool = True, answers: list | None = None):
-    """Six micro-batches (three steps of two), the losses of ``BAD`` spoiled: (logged losses, host reads).
-    ``answers``: per micro-batch, (the host's "nothing padded", the masks' own, whether the key reached the loss)."""
+    """Six micro-batches (three steps of two), the losses of ``BAD`` spoiled, the trainer built under ``apply()`` with
+    ``overlap_micro_batches=overlap``: (logged losses, host reads). ``answers``: per micro-batch, (the host's
+    "nothing padded", the masks' own, whether the key reached the loss)."""
     args = grpo_args(max_steps=3, gradient_accumulation_steps=2, logging_nan_inf_filter=nan_filter)
-    trainer = spoiled(patched_trl_trainer(args))
-    if overlap:
-        enable_overlap(trainer)
+    trainer = spoiled(patched_trl_trainer(args, overlap_micro_batches=overlap))
     if answers is not None:
         compute = trainer.compute_loss
 
@@ -203,6 +203,9 @@ def test_only_inside_train_and_train_s_result_and_errors_pass_through():
 
     trainer.train = train
     enable_overlap(trainer)
+    wrapped = trainer.training_step, trainer.train
+    enable_overlap(trainer)
+    assert (trainer.training_step, trainer.train) == wrapped, "once per trainer"
     assert trainer.train() == "trained" and isinstance(seen[-1], FilteredLoss) and seen[-1].item() == 2.0
     with pytest.raises(RuntimeError, match="out of memory"):
         trainer.train(fail=True)

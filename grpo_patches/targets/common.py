@@ -21,6 +21,7 @@ from ..frozen_gc import enable_frozen_gc
 from ..generation import FAST_GEN_ATTR, FastGenerationState
 from ..lean_lora import enable_lean_lora
 from ..options import PatchOptions
+from ..overlap import enable_overlap
 
 __all__ = ["STATE_ATTR", "TrainerPatchState", "accepts", "attach", "main_only_reward_funcs"]
 
@@ -44,7 +45,8 @@ def attach(trainer: Any, options: PatchOptions, *,
     """Once the trainer is built: its options and fail-fast group (the mark every other wrapper
     reads), then the opt-in switches on its policy (``trainer.model``): fast generation
     (``fast_generation(trainer, config)``: the adapter's way in), lean LoRA, compiled training; and on its
-    reward models (``trainer.reward_funcs``) compiled scoring; on the trainer, the collector's freeze."""
+    reward models (``trainer.reward_funcs``) compiled scoring; on the trainer, the collector's freeze and the
+    micro-batches' overlap."""
     setattr(trainer, STATE_ATTR, TrainerPatchState(options, FailFastGroup(options.collective_timeout)))
     if options.fast_generation is not None:
         fast_generation(trainer, options.fast_generation)
@@ -56,6 +58,8 @@ def attach(trainer: Any, options: PatchOptions, *,
         enable_compiled_reward_models(trainer.reward_funcs, trainer.accelerator)
     if options.freeze_gc:
         enable_frozen_gc(trainer)
+    if options.overlap_micro_batches:
+        enable_overlap(trainer)
 
 
 def _placeholder(name: str, index: int) -> Callable:
