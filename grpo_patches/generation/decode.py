@@ -302,8 +302,8 @@ def _graph_generate(model: nn.Module, *, pool: StaticCachePool, config: FastGene
     reason = ""
     if input_ids is None:
         reason = "no input_ids"
-    elif brought_cache(kwargs):
-        reason = f"generate(..., {brought_cache(kwargs)}=...) is not supported"
+    elif brought := brought_cache(kwargs):
+        reason = f"generate(..., {brought}=...) is not supported"
     else:
         s, max_new, reason = graph_decode_support(model, generation_config, input_ids.shape[1], kwargs)
     if reason:
