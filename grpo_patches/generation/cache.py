@@ -2,33 +2,16 @@
 
 from __future__ import annotations
 
-import functools
-import inspect
 from collections.abc import Mapping
 from typing import Any
 
 from torch import nn
 
-__all__ = ["CACHE_ARGS", "StaticCachePool", "brought_cache", "cache_arg"]
+__all__ = ["CACHE_ARGS", "StaticCachePool", "brought_cache"]
 
 #: The names a KV cache is passed by: transformers 5.24 renamed ``past_key_values`` (of ``generate`` and of the
 #: models' forwards) to ``cache``; the old name warns there on every call and leaves the forwards in 5.40.
 CACHE_ARGS = ("cache", "past_key_values")
-
-
-def cache_arg(model: nn.Module) -> str:
-    """The name ``model``'s forward (a PEFT model's base model's) and its ``generate`` take the cache by."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return _forward_cache_arg(type(base))
-
-
-@functools.cache
-def _forward_cache_arg(cls: type) -> str:
-    try:
-        params = inspect.signature(cls.forward).parameters
-    except (TypeError, ValueError):  # pragma: no cover - a forward without a signature
-        return "past_key_values"
-    return "cache" if "cache" in params else "past_key_values"
 
 
 def brought_cache(kwargs: Mapping[str, Any]) -> str:

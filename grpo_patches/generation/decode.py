@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from .cache import CACHE_ARGS, StaticCachePool, brought_cache, cache_arg
+from .cache import CACHE_ARGS, StaticCachePool, brought_cache
 from .config import FastGenerationConfig, cache_length, warn_once
 from .fused import FusedDecoder
 from .fused_loop import FusedLoopStats, fused_decode, make_room
@@ -156,14 +156,20 @@ class GraphDecodeStats:
 GRAPH_STATS = GraphDecodeStats()  # fast_generate's counters
 
 
-def _forward_kwargs(model: nn.Module) -> bool:
+def _forward_params(model: nn.Module) -> Mapping[str, Any]:
+    """The parameters of ``model``'s forward (a PEFT model's base model's)."""
     import inspect
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     try:
-        return "logits_to_keep" in inspect.signature(base.forward).parameters
+        return inspect.signature(base.forward).parameters
     except (TypeError, ValueError):  # pragma: no cover
-        return False
+        return {}
+
+
+def cache_arg(model: nn.Module) -> str:
+    """The name ``model``'s forward and its ``generate`` take the KV cache by (see ``CACHE_ARGS``)."""
+    return "cache" if "cache" in _forward_params(model) else "past_key_values"
 
 
 def _prefill(model: nn.Module, cache: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
@@ -186,7 +192,7 @@ def _prefill(model: nn.Module, cache: Any, input_ids: torch.Tensor, attention_ma
     # the last position as an index tensor, not ``1``: transformers slices ``hidden[:, -1:, :]``, a strided view
     # that the LM head's matmul runs as a batched one, every row reading the whole head weight (155 ms at 1024
     # rows of a 152k vocabulary on an H100, against 0.7 ms); an index tensor gathers a contiguous copy instead
-    extra = {"logits_to_keep": torch.tensor([prompt - 1], device=device)} if _forward_kwargs(model) else {}
+    extra = {"logits_to_keep": torch.tensor([prompt - 1], device=device)} if "logits_to_keep" in _forward_params(model) else {}
     cache_position = torch.arange(prompt, device=device)
     rows = repeated_rows(input_ids, attention_mask)
     logits = None if rows is None else _prefill_distinct(model, cache, input_ids, attention_mask, positions,
